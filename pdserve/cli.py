@@ -1,0 +1,54 @@
+"""`pdserve` command line: one subcommand per module in `pdserve/commands/`.
+
+Each command module exposes `HELP` (one line), `add_arguments(parser)` and `run(args) -> int`;
+modules are imported only when their command runs, so `pdserve --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "generate": "pdserve.commands.generate",
+    "make-model": "pdserve.commands.make_model",
+    "profile-hardware": "pdserve.commands.profile_hardware",
+}
+
+HELP = {
+    "generate": "generate text offline and print a per-phase timing summary",
+    "make-model": "write a random-weight Hugging Face model folder (for tests and benchmarks)",
+    "profile-hardware": "measure this machine's peak FLOP/s and memory bandwidth (cached)",
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="pdserve: an LLM engine built around prefill and decode."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        p = sub.add_parser(name, help=HELP[name], description=HELP[name])
+        # Only the chosen command's module is imported (torch is slow to import).
+        if name in argv:
+            importlib.import_module(COMMANDS[name]).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return importlib.import_module(COMMANDS[args.command]).run(args) or 0
+    except ValueError as e:  # user mistakes: a clear message, no traceback
+        print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Plain request data shared by the engine, the server and the benchmark (no torch here).
+
+`SamplingParams` is a msgspec Struct so it crosses process boundaries as-is; it validates itself
+on construction and raises `ValueError` naming the field and the value. `RequestMetrics` holds the
+raw timestamps of one request and derives every latency figure from them, with the definitions of
+docs/ARCHITECTURE.md (queue, prefill, TTFT, ITL, TPOT, E2E).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, kw_only=True):
+    """How to sample one request's output. Defaults follow the OpenAI API (temperature 1)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None: up to the model's context
+    min_tokens: int = 0
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # top-k logprobs per output token (0: only the sampled one)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(self.n >= 1, "n", self.n, "must be >= 1")
+        _check(
+            math.isfinite(self.temperature) and self.temperature >= 0,
+            "temperature",
+            self.temperature,
+            "must be >= 0",
+        )
+        _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        _check(self.top_k >= -1, "top_k", self.top_k, "must be -1, 0 (disabled) or >= 1")
+        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
+        _check(
+            -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            self.presence_penalty,
+            "must be in [-2, 2]",
+        )
+        _check(
+            -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            self.frequency_penalty,
+            "must be in [-2, 2]",
+        )
+        _check(
+            self.repetition_penalty > 0,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "must be > 0",
+        )
+        _check(
+            self.max_tokens is None or self.max_tokens >= 1,
+            "max_tokens",
+            self.max_tokens,
+            "must be >= 1",
+        )
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            self.min_tokens,
+            f"must be <= max_tokens ({self.max_tokens})",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            self.stop,
+            "must be non-empty strings",
+        )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            self.stop_token_ids,
+            "must be non-negative token ids",
+        )
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= 20,
+            "logprobs",
+            self.logprobs,
+            "must be in [0, 20]",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _check(ok: bool, name: str, value: object, why: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid {name}={value!r}: {why}")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"  # EOS, stop token or stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens or the model's context
+    FINISHED_ABORTED = "finished_aborted"  # client abort or error
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Raw timestamps of one request (seconds, `time.perf_counter` clock) and derived latencies."""
+
+    arrival_time: float
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one per output token
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return _diff(self.scheduled_time, self.arrival_time)
+
+    @property
+    def prefill_time(self) -> float | None:
+        return _diff(self.first_token_time, self.scheduled_time)
+
+    @property
+    def ttft(self) -> float | None:
+        return _diff(self.first_token_time, self.arrival_time)
+
+    @property
+    def decode_time(self) -> float | None:
+        return _diff(self.finished_time, self.first_token_time)
+
+    @property
+    def e2e(self) -> float | None:
+        return _diff(self.finished_time, self.arrival_time)
+
+    @property
+    def itl(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        n = len(self.token_times)
+        if n < 2 or self.finished_time is None or self.first_token_time is None:
+            return None
+        return (self.finished_time - self.first_token_time) / (n - 1)
+
+
+def _diff(b: float | None, a: float | None) -> float | None:
+    return None if a is None or b is None else b - a
+
+
+@dataclass(slots=True)
+class Logprob:
+    """Log-probability of one token, with the top alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of the `n` completions of a request. `text` and `token_ids` are cumulative."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[Logprob] | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What the engine reports for one request after a step (or at the end, offline)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+
+    # Convenience accessors for the common n=1 case.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
