@@ -201,6 +201,8 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[Logprob] | None = None
     metrics: RequestMetrics | None = None
+    new_text: str = ""  # what this step added (for streaming)
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,310 @@
+"""Engine configuration: frozen dataclasses validated on construction (no torch here).
+
+`ModelConfig` is what the engine needs from a Hugging Face `config.json`, parsed once; the others
+are the knobs a user sets (`EngineArgs` on the command line, keyword arguments of `LLM`). Invalid
+values raise `ValueError` naming the field and the value.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+)
+
+
+def _require(ok: bool, name: str, value: object, why: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid {name}={value!r}: {why}")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # "default" | "llama3" | "linear"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> RopeConfig:
+        """Read the classic top-level `rope_theta`/`rope_scaling` or transformers 5 `rope_parameters`."""
+        params = dict(cfg.get("rope_parameters") or {})
+        scaling = dict(cfg.get("rope_scaling") or {})
+        merged = {**scaling, **params}
+        theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+        if rope_type not in ("default", "llama3", "linear"):
+            raise ValueError(
+                f"invalid rope_scaling.rope_type={rope_type!r}: supported are default, llama3, linear"
+            )
+        return cls(
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(merged.get("factor", 1.0)),
+            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                merged.get("original_max_position_embeddings", 8192)
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shapes and options of a Llama-family checkpoint."""
+
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2
+    qk_norm: bool  # Qwen3
+    torch_dtype: str
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ValueError(f"invalid model={str(path)!r}: no config.json in that folder")
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"invalid model config {cfg_file}: not valid JSON ({e})") from None
+        gen_file = path / "generation_config.json"
+        gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+        return cls.from_hf_dict(cfg, str(path), gen)
+
+    @classmethod
+    def from_hf_dict(
+        cls, cfg: dict[str, Any], path: str = "", generation: dict[str, Any] | None = None
+    ) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"invalid architectures={archs!r}: supported are {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        required = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
+        missing = [k for k in required if k not in cfg]
+        if missing:
+            raise ValueError(f"invalid model config: missing field(s) {', '.join(missing)}")
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        eos = _eos_ids(cfg, generation or {})
+        window = cfg.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+            window = None
+        return cls(
+            path=path,
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos,
+            sliding_window=int(window) if window else None,
+        )
+
+    def __post_init__(self) -> None:
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            "num_key_value_heads",
+            self.num_kv_heads,
+            f"must divide num_attention_heads ({self.num_heads})",
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence the engine serves. Sliding-window attention is not implemented, so a
+        model with a window is capped at the window, where full attention is exact."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+
+def _eos_ids(cfg: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
+    ids: list[int] = []
+    for src in (gen.get("eos_token_id"), cfg.get("eos_token_id")):
+        if src is None:
+            continue
+        for i in src if isinstance(src, list) else [src]:
+            if i not in ids:
+                ids.append(int(i))
+    return tuple(ids)
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_size(text: str | int) -> int:
+    """'2GiB' -> 2147483648, '512MB' -> 512000000, 1024 -> 1024."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"invalid size {text!r}: expected e.g. 512MiB, 2GiB, 1e9")
+    num, unit = float(m.group(1)), (m.group(2) or "").lower()
+    base = unit[:1]
+    mult = 1024 ** "bkmgt".index(base) if "i" in unit and base != "b" else _UNITS[base]
+    return int(num * mult)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # set directly, or derived from memory_bytes
+    memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_size >= 1 and (self.block_size & (self.block_size - 1)) == 0,
+            "block_size",
+            self.block_size,
+            "must be a power of two",
+        )
+        _require(
+            self.num_blocks is None or self.num_blocks >= 1,
+            "num_kv_blocks",
+            self.num_blocks,
+            "must be >= 1",
+        )
+        _require(
+            self.memory_bytes is None or self.memory_bytes > 0,
+            "kv_cache_memory",
+            self.memory_bytes,
+            "must be > 0",
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: a prefill chunk may take the whole budget
+    max_model_len: int = 0  # filled in from the model when 0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            "must be >= 1",
+        )
+        _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
+        _require(
+            self.long_prefill_token_threshold >= 0,
+            "long_prefill_token_threshold",
+            self.long_prefill_token_threshold,
+            "must be >= 0",
+        )
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything the user can set for one engine; the CLI and `LLM(**kwargs)` both build this."""
+
+    model: str
+    tokenizer: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: str | int | None = None  # e.g. "2GiB"; default: 1 GiB on CPU
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    num_threads: int | None = None
+    hardware_profile: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.device in ("cpu", "cuda") or self.device.startswith("cuda:"),
+            "device",
+            self.device,
+            "must be cpu or cuda[:N]",
+        )
+        _require(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            "dtype",
+            self.dtype,
+            "must be auto, float32, bfloat16 or float16",
+        )
+        _require(
+            self.max_model_len is None or self.max_model_len >= 1,
+            "max_model_len",
+            self.max_model_len,
+            "must be >= 1",
+        )
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def cache_config(self) -> CacheConfig:
+        memory = None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory)
+        if self.num_kv_blocks is None and memory is None:
+            memory = 1 << 30
+        return CacheConfig(
+            block_size=self.block_size,
+            num_blocks=self.num_kv_blocks,
+            memory_bytes=memory,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_model_len=max_model_len,
+        )

@@ -1,0 +1,113 @@
+"""Per-step statistics: what each step computed, how long it took, and MFU / MBU per phase.
+
+FLOPs and bytes of a step come from the model's shapes (`pdserve.perf.cost`), the peaks from a
+hardware profile (`pdserve profile-hardware`, or a file). Without a profile MFU and MBU are None:
+the engine never runs a measurement behind the user's back.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from pdserve.perf.cost import ModelShape, step_cost
+from pdserve.sched.scheduler import SchedulerOutput, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepStats:
+    phase: str  # "prefill" | "decode" | "mixed"
+    step_time_s: float
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    kv_usage: float
+    prefix_hit_rate: float
+    num_running: int
+    num_waiting: int
+    flops: float
+    bytes: float
+    mfu: float | None
+    mbu: float | None
+
+
+@dataclass(slots=True)
+class PhaseTotals:
+    steps: int = 0
+    time_s: float = 0.0
+    tokens: int = 0
+    flops: float = 0.0
+    bytes: float = 0.0
+
+
+@dataclass
+class StepStatsRecorder:
+    model_config: object
+    runner: object
+    hardware_profile: str | None = None
+    last: StepStats | None = None
+    totals: dict[str, PhaseTotals] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        cfg = self.model_config
+        self.shape = ModelShape.from_model_config(cfg, dtype_bytes=self.runner.dtype.itemsize)
+        self.peak_flops, self.peak_bytes = self._peaks()
+
+    def _peaks(self) -> tuple[float | None, float | None]:
+        try:
+            from pdserve.perf.hardware import cached_hardware_profile
+
+            profile = cached_hardware_profile(self.hardware_profile, self.runner.device)
+        except (OSError, ValueError) as e:
+            logger.warning("no hardware profile (%s): MFU/MBU not reported", e)
+            return None, None
+        if profile is None:
+            return None, None
+        return profile.peak_flops_for(self.runner.dtype), profile.mem_bandwidth_bytes_s
+
+    def record(
+        self, plan: SchedulerOutput, t0: float, t1: float, sched: SchedulerStats
+    ) -> StepStats:
+        q_lens = [s.num_new_tokens for s in plan.scheduled]
+        ctx_lens = [s.request.num_computed_tokens for s in plan.scheduled]
+        num_sampled = sum(1 for s in plan.scheduled if s.sample)
+        cost = step_cost(self.shape, q_lens, ctx_lens, num_sampled)
+        dt = t1 - t0
+        num_bytes = cost.weight_bytes + cost.kv_read_bytes + cost.kv_write_bytes
+        if plan.num_prefill_tokens and plan.num_decode_tokens:
+            phase = "mixed"
+        else:
+            phase = "prefill" if plan.num_prefill_tokens else "decode"
+        stats = StepStats(
+            phase=phase,
+            step_time_s=dt,
+            num_prefill_tokens=plan.num_prefill_tokens,
+            num_decode_seqs=plan.num_decode_tokens,
+            kv_usage=sched.kv_usage,
+            prefix_hit_rate=sched.prefix_hits / sched.prefix_queries
+            if sched.prefix_queries
+            else 0.0,
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            flops=cost.flops,
+            bytes=num_bytes,
+            mfu=cost.flops / dt / self.peak_flops if self.peak_flops and dt > 0 else None,
+            mbu=num_bytes / dt / self.peak_bytes if self.peak_bytes and dt > 0 else None,
+        )
+        t = self.totals.setdefault(phase, PhaseTotals())
+        t.steps += 1
+        t.time_s += dt
+        t.tokens += plan.num_tokens
+        t.flops += cost.flops
+        t.bytes += num_bytes
+        self.last = stats
+        return stats
+
+    def phase_mfu_mbu(self, phase: str) -> tuple[float | None, float | None]:
+        t = self.totals.get(phase)
+        if t is None or t.time_s <= 0:
+            return None, None
+        mfu = t.flops / t.time_s / self.peak_flops if self.peak_flops else None
+        mbu = t.bytes / t.time_s / self.peak_bytes if self.peak_bytes else None
+        return mfu, mbu

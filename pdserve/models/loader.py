@@ -1,0 +1,124 @@
+"""Build a model without materialising random weights, then fill it from memory-mapped safetensors.
+
+The module tree is created on the meta device (no memory), given uninitialised storage on the
+target device, and every parameter is then copied from the checkpoint exactly once; a parameter
+the checkpoint does not fill, a tensor of the wrong shape and an unreadable file are each a
+`ValueError` that names the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from pdserve.config import ModelConfig
+from pdserve.models.registry import model_class
+
+# checkpoint name fragment -> (fused parameter fragment, index of the shard within it)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"invalid weight index {index}: {e}") from None
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"invalid model={str(path)!r}: no *.safetensors weight files")
+    for f in files:
+        if not f.is_file():
+            raise ValueError(f"invalid model={str(path)!r}: weight file {f.name} is missing")
+    return files
+
+
+def iter_checkpoint(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    try:
+                        yield f, name, st.get_tensor(name)
+                    except SafetensorError as e:
+                        raise ValueError(f"corrupt weight file {f}: tensor {name}: {e}") from None
+        except SafetensorError as e:
+            raise ValueError(f"corrupt weight file {f}: {e}") from None
+
+
+def _shard_slices(model: nn.Module, cfg: ModelConfig) -> dict[str, list[tuple[int, int]]]:
+    """Row ranges of the shards inside each fused parameter kind."""
+    q = cfg.num_heads * cfg.head_dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    inter = cfg.intermediate_size
+    return {
+        "qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
+        "gate_up_proj": [(0, inter), (inter, 2 * inter)],
+    }
+
+
+def _target(name: str) -> tuple[str, int | None]:
+    """Map an HF tensor name to (our parameter name, shard index or None)."""
+    name = name.removeprefix("model.")
+    for frag, (fused, idx) in _FUSED.items():
+        if f".{frag}." in name:
+            return name.replace(f".{frag}.", f".{fused}."), idx
+    return name, None
+
+
+def load_model(
+    cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_len: int
+) -> nn.Module:
+    cls = model_class(cfg.architecture)
+    with torch.device("meta"):
+        model = cls(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    params = dict(model.named_parameters())
+    slices = _shard_slices(model, cfg)
+    expected: set[tuple[str, int | None]] = set()
+    for pname in params:
+        kind = pname.split(".")[-2]
+        if kind in slices:
+            expected.update((pname, i) for i in range(len(slices[kind])))
+        else:
+            expected.add((pname, None))
+    loaded: set[tuple[str, int | None]] = set()
+    files = safetensors_files(Path(cfg.path))
+    with torch.no_grad():
+        for file, name, tensor in iter_checkpoint(files):
+            if cfg.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            pname, shard = _target(name)
+            param = params.get(pname)
+            if param is None:
+                if "rotary_emb" in name:
+                    continue
+                raise ValueError(f"unexpected tensor {name} in {file.name}")
+            dst = param if shard is None else param[slice(*slices[pname.split(".")[-2]][shard])]
+            if dst.shape != tensor.shape:
+                raise ValueError(
+                    f"tensor {name} in {file.name} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor)
+            loaded.add((pname, shard))
+    missing = sorted(p for p, _ in expected - loaded)
+    if missing:
+        names = ", ".join(dict.fromkeys(missing))
+        raise ValueError(f"weights missing from {', '.join(f.name for f in files)}: {names}")
+    model.rope.build(max_len, device, dtype)
+    return model.eval()

@@ -1,0 +1,184 @@
+"""ModelRunner: owns the weights and the KV cache tensors; turns a step plan into sampled tokens.
+
+`execute(plan)` builds the step's inputs once (token ids, positions, cache slots, attention
+metadata) with numpy index arithmetic, runs one forward over all scheduled tokens, computes logits
+only for the rows that sample, and samples them: one host sync per step for the sampled ids.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdserve.config import CacheConfig, ModelConfig
+from pdserve.models.loader import load_model
+from pdserve.request import Request
+from pdserve.runner.attention import AttentionMetadata, PrefillChunk
+from pdserve.runner.sampler import Sampler, SamplingRow
+from pdserve.sched.scheduler import SchedulerOutput
+from pdserve.types import Logprob
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] rows of the hidden states that sample, in plan order
+    rows: list[SamplingRow]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device: str = "cpu",
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.config = model_config
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.max_model_len = max_model_len or model_config.max_model_len
+        self.block_size = cache_config.block_size
+        torch.manual_seed(seed)
+        self.model = load_model(model_config, self.device, self.dtype, self.max_model_len)
+        self.num_blocks = self._num_blocks(cache_config)
+        self.kv_caches = [
+            torch.zeros(
+                2,
+                self.num_blocks * self.block_size,
+                model_config.num_kv_heads,
+                model_config.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            for _ in range(model_config.num_layers)
+        ]
+        self.sampler = Sampler(model_config.eos_token_ids)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        c = self.config
+        elem = torch.finfo(self.dtype).bits // 8
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * elem
+
+    def _num_blocks(self, cache: CacheConfig) -> int:
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        n = cache.memory_bytes // self.kv_bytes_per_block
+        if n < 1:
+            raise ValueError(
+                f"invalid kv_cache_memory={cache.memory_bytes}: one block needs "
+                f"{self.kv_bytes_per_block} bytes"
+            )
+        # More blocks than every sequence of max length could use is wasted memory.
+        return int(n)
+
+    # ---- inputs --------------------------------------------------------------------------
+    def _slots(self, block_ids: list[int], start: int, end: int) -> np.ndarray:
+        bs = self.block_size
+        pos = np.arange(start, end)
+        return np.asarray(block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs
+
+    def prepare(self, plan: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepInputs:
+        items = plan.scheduled
+        decodes = [i for i, s in enumerate(items) if s.num_new_tokens == 1]
+        prefills = [i for i, s in enumerate(items) if s.num_new_tokens > 1]
+        order = decodes + prefills
+        tokens: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        last_row = [0] * len(items)
+        meta = AttentionMetadata(slot_mapping=None, num_decodes=len(decodes))  # type: ignore[arg-type]
+
+        if decodes:
+            ctx_lens = []
+            tables = []
+            for i in decodes:
+                req = items[i].request
+                n = req.num_computed_tokens
+                tokens.append(req.all_token_ids[n])
+                ctx_lens.append(n + 1)
+                tables.append(block_tables[req.request_id])
+            ctx = np.asarray(ctx_lens)
+            max_blocks = max(len(t) for t in tables)
+            table = np.zeros((len(tables), max_blocks), dtype=np.int64)
+            for r, t in enumerate(tables):
+                table[r, : len(t)] = t
+            bs = self.block_size
+            all_slots = (table[:, :, None] * bs + np.arange(bs)).reshape(len(tables), -1)
+            max_ctx = int(ctx.max())
+            all_slots = all_slots[:, :max_ctx]
+            pos = ctx - 1
+            positions.append(pos)
+            slots.append(all_slots[np.arange(len(tables)), pos])
+            meta.decode_slots = torch.from_numpy(all_slots).to(self.device)
+            mask = np.arange(max_ctx)[None, :] < ctx[:, None]
+            meta.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
+            for r, i in enumerate(decodes):
+                last_row[i] = r
+
+        q = len(decodes)
+        for i in prefills:
+            s = items[i]
+            req = s.request
+            start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
+            table = block_tables[req.request_id]
+            tokens.extend(req.all_token_ids[start:end])
+            positions.append(np.arange(start, end))
+            slots.append(self._slots(table, start, end))
+            chunk = PrefillChunk(q, q + s.num_new_tokens, None, None)
+            if start > 0:
+                chunk.ctx_slots = torch.from_numpy(self._slots(table, 0, end)).to(self.device)
+                mask = np.arange(end)[None, :] <= np.arange(start, end)[:, None]
+                chunk.mask = torch.from_numpy(mask).to(self.device)
+            meta.prefills.append(chunk)
+            q += s.num_new_tokens
+            last_row[i] = q - 1
+
+        meta.slot_mapping = torch.from_numpy(np.concatenate(slots)).to(self.device)
+        sample_idx = [i for i, s in enumerate(items) if s.sample]
+        rows = [self._sampling_row(items[i].request) for i in sample_idx]
+        return StepInputs(
+            input_ids=torch.tensor(tokens, dtype=torch.long, device=self.device),
+            positions=torch.from_numpy(np.concatenate(positions)).to(self.device),
+            meta=meta,
+            logits_indices=torch.tensor([last_row[i] for i in sample_idx], device=self.device),
+            rows=rows,
+        )
+
+    def _sampling_row(self, req: Request) -> SamplingRow:
+        params = req.sampling_params
+        if params.seed is not None and req.runner_state is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed)
+            req.runner_state = gen
+        return SamplingRow(params, req.runner_state, req.prompt_token_ids, req.output_token_ids)
+
+    # ---- the step ------------------------------------------------------------------------
+    def execute(
+        self, plan: SchedulerOutput, block_tables: dict[str, list[int]]
+    ) -> tuple[list[int], list[Logprob | None]]:
+        inputs = self.prepare(plan, block_tables)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not inputs.rows:
+            return [], []
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        out = self.sampler(logits, inputs.rows)
+        return out.token_ids, out.logprobs

@@ -1,0 +1,258 @@
+"""Scheduler: continuous batching with a per-step token budget and chunked prefill (no torch).
+
+Each step, running requests are served first (a decode takes one token; a request still in
+prefill takes its next chunk), then waiting requests are admitted in FCFS order while the token
+budget, `max_num_seqs` and the KV pool allow. When a running request cannot get a block, the
+newest running request is preempted: its blocks are returned and it is recomputed later (its
+prefix will usually still be cached). Every path that ends a request returns its blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pdserve.config import SchedulerConfig
+from pdserve.kv.manager import KVCacheManager
+from pdserve.request import Request
+from pdserve.types import Logprob, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan: which requests compute how many tokens. Requests are referenced whole (the
+    runner lives in the same process); their block tables are `kv.block_ids(request_id)`."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step produced for one request (plain data: this crosses process boundaries)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    new_logprobs: list[Logprob] | None = None
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_preemptions: int = 0  # cumulative
+    prefix_queries: int = 0  # cumulative prompt tokens looked up
+    prefix_hits: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"invalid request_id={request.request_id!r}: already in use")
+        max_len = self.config.max_model_len
+        if request.num_tokens >= max_len:
+            raise ValueError(
+                f"invalid prompt: {request.num_tokens} tokens leaves no room to generate in the "
+                f"model's context ({max_len} tokens)"
+            )
+        if not self.config.enable_chunked_prefill and (
+            request.num_tokens > self.config.max_num_batched_tokens
+        ):
+            raise ValueError(
+                f"invalid prompt: {request.num_tokens} tokens exceeds max_num_batched_tokens "
+                f"({self.config.max_num_batched_tokens}) with chunked prefill disabled"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step (abort, stop string): blocks are returned at once."""
+        ended = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            ended.append(request)
+        return ended
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.metrics.finished_time = time.perf_counter()
+        self.kv.free(request)
+        del self.requests[request.request_id]
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the plan ------------------------------------------------------------------------
+    def _chunk(self, request: Request, budget: int) -> int:
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        if self.config.long_prefill_token_threshold:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return n
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        now = time.perf_counter()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._chunk(request, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is request:
+                    break
+            else:
+                self._add(out, request, num_new)
+                budget -= num_new
+                i += 1
+
+        # After a preemption the pool is short: admit nothing new this step.
+        while (
+            self.waiting
+            and budget > 0
+            and not out.num_preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hits, num_hit_tokens = [], 0
+            if request.num_computed_tokens == 0:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            remaining = request.num_tokens - request.num_computed_tokens - num_hit_tokens
+            num_new = min(remaining, budget)
+            if self.config.long_prefill_token_threshold:
+                num_new = min(num_new, self.config.long_prefill_token_threshold)
+            if num_new < remaining and not self.config.enable_chunked_prefill:
+                break
+            if not self.kv.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens += num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+                request.metrics.num_cached_tokens = num_hit_tokens
+            if request.metrics.scheduled_time is None:
+                request.metrics.scheduled_time = now
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._add(out, request, num_new)
+            budget -= num_new
+        return out
+
+    def _add(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        sample = request.num_computed_tokens + num_new == request.num_tokens
+        out.scheduled.append(ScheduledRequest(request, num_new, sample))
+        if num_new == 1 and request.num_output_tokens > 0:
+            out.num_decode_tokens += 1
+        else:
+            out.num_prefill_tokens += num_new
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- after the forward ---------------------------------------------------------------
+    def update(
+        self,
+        plan: SchedulerOutput,
+        sampled: list[int],
+        logprobs: list[Logprob | None] | None = None,
+    ) -> list[EngineCoreOutput]:
+        """Advance the counters by the computed tokens, append sampled tokens (one per sampling
+        request, in plan order), and finish requests that hit EOS, a stop token or a length."""
+        now = time.perf_counter()
+        outputs: list[EngineCoreOutput] = []
+        k = 0
+        for item in plan.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            if not item.sample:
+                continue
+            token = sampled[k]
+            lp = logprobs[k] if logprobs is not None else None
+            k += 1
+            if request.is_finished:  # ended by an abort during the step
+                continue
+            request.append_output_token(token)
+            m = request.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.token_times.append(now)
+            status = self._check_stop(request, token)
+            out = EngineCoreOutput(request.request_id, [token], new_logprobs=[lp] if lp else None)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+                out.finish_reason = status.finish_reason
+                out.stop_reason = request.stop_reason
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_usage=self.kv.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_queries=self.kv.stats.queries,
+            prefix_hits=self.kv.stats.hits,
+        )
