@@ -100,7 +100,6 @@ class ModelRunner:
         items = plan.scheduled
         decodes = [i for i, s in enumerate(items) if s.num_new_tokens == 1]
         prefills = [i for i, s in enumerate(items) if s.num_new_tokens > 1]
-        order = decodes + prefills
         tokens: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
