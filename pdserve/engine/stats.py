@@ -50,8 +50,20 @@ class StepStatsRecorder:
     totals: dict[str, PhaseTotals] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        cfg = self.model_config
-        self.shape = ModelShape.from_model_config(cfg, dtype_bytes=self.runner.dtype.itemsize)
+        c = self.model_config
+        self.shape = ModelShape(
+            hidden_size=c.hidden_size,
+            num_layers=c.num_layers,
+            num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            intermediate_size=c.intermediate_size,
+            vocab_size=c.vocab_size,
+            tied=c.tie_word_embeddings,
+            dtype_bytes=self.runner.dtype.itemsize,
+            qkv_bias=c.qkv_bias,
+            qk_norm=c.qk_norm,
+        )
         self.peak_flops, self.peak_bytes = self._peaks()
 
     def _peaks(self) -> tuple[float | None, float | None]:
@@ -59,7 +71,7 @@ class StepStatsRecorder:
             from pdserve.perf.hardware import cached_hardware_profile
 
             profile = cached_hardware_profile(self.hardware_profile, self.runner.device)
-        except (OSError, ValueError) as e:
+        except (ImportError, OSError, ValueError) as e:
             logger.warning("no hardware profile (%s): MFU/MBU not reported", e)
             return None, None
         if profile is None:
