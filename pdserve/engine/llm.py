@@ -25,6 +25,13 @@ class LLM:
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._next_id = 0
 
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(args)
+        llm._next_id = 0
+        return llm
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer
