@@ -80,6 +80,15 @@ def _target(name: str) -> tuple[str, int | None]:
     return name, None
 
 
+def _checkpoint_name(pname: str, shard: int | None) -> str:
+    """Our parameter (and shard) -> the Hugging Face tensor name it is loaded from."""
+    if shard is not None:
+        fused = pname.split(".")[-2]
+        frag = next(f for f, (fz, i) in _FUSED.items() if fz == fused and i == shard)
+        pname = pname.replace(f".{fused}.", f".{frag}.")
+    return pname if pname.startswith("lm_head") else f"model.{pname}"
+
+
 def load_model(
     cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_len: int
 ) -> nn.Module:
@@ -116,9 +125,10 @@ def load_model(
                 )
             dst.copy_(tensor)
             loaded.add((pname, shard))
-    missing = sorted(p for p, _ in expected - loaded)
+    missing = sorted(_checkpoint_name(p, shard) for p, shard in expected - loaded)
     if missing:
-        names = ", ".join(dict.fromkeys(missing))
-        raise ValueError(f"weights missing from {', '.join(f.name for f in files)}: {names}")
+        raise ValueError(
+            f"weights missing from {', '.join(f.name for f in files)}: {', '.join(missing)}"
+        )
     model.rope.build(max_len, device, dtype)
     return model.eval()
