@@ -99,7 +99,10 @@ def test_chunked_prefill_splits_by_budget_and_decodes_go_first():
     b = make_request("b", num_prompt=20, max_tokens=2, start=100)
     sched.add_request(b)
     plan, _ = run_step(sched)
-    assert [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled] == [("a", 1), ("b", 7)]
+    assert [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled] == [
+        ("a", 1),
+        ("b", 7),
+    ]
     assert not plan.scheduled[1].sample
     plan, _ = run_step(sched)
     assert [s.num_new_tokens for s in plan.scheduled] == [1, 7]
