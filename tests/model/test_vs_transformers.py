@@ -114,3 +114,34 @@ def test_prefill_logits_match_transformers_forward(arch, tiny_models, hf_models)
     got = runner.model.compute_logits(hidden)
     rel = (got - ref).abs().max() / ref.abs().max()
     assert rel < 1e-4
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+
+
+def test_llama3_rope_scaling_and_sharded_checkpoint_match_transformers(tmp_path):
+    """rope_scaling of type llama3 (a short original context so every band is exercised), loaded
+    from a checkpoint sharded with model.safetensors.index.json."""
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.models.make import write_random_model
+
+    path = write_random_model(
+        tmp_path / "m", "llama-tiny", seed=5, rope_scaling=LLAMA3_ROPE, max_shard_size="200KB"
+    )
+    assert (path / "model.safetensors.index.json").is_file()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    prompts = make_prompts(hf.config.vocab_size, seed=3)
+    outs = LLM(str(path)).generate(prompts, GREEDY)
+    for out, prompt in zip(outs, prompts):
+        ref_tokens, ref_lps = hf_greedy(hf, prompt)
+        assert out.token_ids == ref_tokens
+        lps = [lp.logprob for lp in out.outputs[0].logprobs]
+        np.testing.assert_allclose(lps, ref_lps, rtol=1e-4, atol=1e-4)

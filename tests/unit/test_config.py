@@ -1,0 +1,106 @@
+"""Config parsing: both rope config styles, EOS ids, sizes, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.config import CacheConfig, EngineArgs, ModelConfig, RopeConfig, parse_size
+
+BASE = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 100,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "eos_token_id": 2,
+}
+
+
+def test_classic_and_transformers5_rope_styles_agree():
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    classic = RopeConfig.from_hf({"rope_theta": 500000.0, "rope_scaling": scaling})
+    v5 = RopeConfig.from_hf({"rope_parameters": {"rope_theta": 500000.0, **scaling}})
+    assert classic == v5
+    assert classic.theta == 500000.0 and classic.rope_type == "llama3" and classic.factor == 32.0
+
+
+def test_rope_defaults_and_unknown_type():
+    assert RopeConfig.from_hf({}) == RopeConfig()
+    with pytest.raises(ValueError, match="yarn"):
+        RopeConfig.from_hf({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_eos_ids_merge_generation_config():
+    cfg = ModelConfig.from_hf_dict(BASE, generation={"eos_token_id": [2, 7]})
+    assert cfg.eos_token_ids == (2, 7)
+    assert cfg.head_dim == 16 and cfg.num_kv_heads == 2
+
+
+def test_qwen_flags_and_mistral_window_caps_context():
+    q2 = ModelConfig.from_hf_dict(
+        {**BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 32}
+    )
+    assert q2.qkv_bias and not q2.qk_norm and q2.sliding_window is None
+    q3 = ModelConfig.from_hf_dict({**BASE, "architectures": ["Qwen3ForCausalLM"]})
+    assert q3.qk_norm and not q3.qkv_bias
+    m = ModelConfig.from_hf_dict(
+        {
+            **BASE,
+            "architectures": ["MistralForCausalLM"],
+            "sliding_window": 256,
+            "max_position_embeddings": 4096,
+        }
+    )
+    assert m.max_model_len == 256  # full attention is exact up to the window
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"architectures": ["BertModel"]}, "BertModel"),
+        ({"architectures": []}, "architectures"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
+    ],
+)
+def test_bad_model_configs(change, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf_dict({**BASE, **change})
+
+
+def test_missing_field_is_named():
+    cfg = dict(BASE)
+    del cfg["num_hidden_layers"]
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        ModelConfig.from_hf_dict(cfg)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("2GiB", 2 << 30), ("512MiB", 512 << 20), ("1GB", 10**9), ("1e3", 1000), (4096, 4096)],
+)
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+def test_bad_sizes_and_args():
+    with pytest.raises(ValueError, match="lots"):
+        parse_size("lots")
+    with pytest.raises(ValueError, match="block_size=12"):
+        CacheConfig(block_size=12)
+    with pytest.raises(ValueError, match="device='tpu'"):
+        EngineArgs(model="x", device="tpu")
+    with pytest.raises(ValueError, match="dtype='int8'"):
+        EngineArgs(model="x", dtype="int8")
