@@ -191,6 +191,23 @@ class Logprob:
 
 
 @dataclass(slots=True)
+class EngineCoreOutput:
+    """What one engine step produced for one (child) request: token ids, no text. Plain data, so
+    it crosses the worker/frontend boundary as it is (msgspec encodes dataclasses)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None
+    new_logprobs: list[Logprob] | None = None
+    # Set on a request's first output: durations measured where the request was scheduled.
+    queue_time_s: float | None = None
+    num_cached_tokens: int | None = None
+    num_preemptions: int = 0
+    error: str | None = None  # why an aborted request was ended by the engine
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     """One of the `n` completions of a request. `text` and `token_ids` are cumulative."""
 

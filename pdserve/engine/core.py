@@ -14,8 +14,8 @@ from pdserve.engine.stats import StepStats, StepStatsRecorder
 from pdserve.kv.manager import KVCacheManager
 from pdserve.request import Request
 from pdserve.runner.model_runner import ModelRunner
-from pdserve.sched.scheduler import EngineCoreOutput, Scheduler
-from pdserve.types import RequestStatus, SamplingParams
+from pdserve.sched.scheduler import Scheduler
+from pdserve.types import EngineCoreOutput, RequestStatus, SamplingParams
 
 
 class EngineCore:

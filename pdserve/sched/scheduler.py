@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pdserve.config import SchedulerConfig
 from pdserve.kv.manager import KVCacheManager
 from pdserve.request import Request
-from pdserve.types import Logprob, RequestStatus
+from pdserve.types import EngineCoreOutput, Logprob, RequestStatus
 
 
 @dataclass(slots=True)
@@ -44,17 +44,6 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
-
-
-@dataclass(slots=True)
-class EngineCoreOutput:
-    """What one step produced for one request (plain data: this crosses process boundaries)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    new_logprobs: list[Logprob] | None = None
 
 
 @dataclass(slots=True)
@@ -220,11 +209,14 @@ class Scheduler:
                 continue
             request.append_output_token(token)
             m = request.metrics
+            m.token_times.append(now)
+            out = EngineCoreOutput(request.request_id, [token], new_logprobs=[lp] if lp else None)
             if m.first_token_time is None:
                 m.first_token_time = now
-            m.token_times.append(now)
+                out.queue_time_s = m.queue_time
+                out.num_cached_tokens = max(request.num_cached_tokens, 0)
+            out.num_preemptions = m.num_preemptions
             status = self._check_stop(request, token)
-            out = EngineCoreOutput(request.request_id, [token], new_logprobs=[lp] if lp else None)
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
