@@ -11,12 +11,16 @@ import importlib
 import sys
 
 COMMANDS = {
+    "bench": "pdserve.commands.bench",
+    "serve": "pdserve.commands.serve",
     "generate": "pdserve.commands.generate",
     "make-model": "pdserve.commands.make_model",
     "profile-hardware": "pdserve.commands.profile_hardware",
 }
 
 HELP = {
+    "bench": "benchmark an OpenAI-compatible server: TTFT, ITL, TPOT, goodput; sweeps; comparisons",
+    "serve": "serve a model over an OpenAI-compatible HTTP API",
     "generate": "generate text offline and print a per-phase timing summary",
     "make-model": "write a random-weight Hugging Face model folder (for tests and benchmarks)",
     "profile-hardware": "measure this machine's peak FLOP/s and memory bandwidth (cached)",

@@ -308,3 +308,33 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_model_len=max_model_len,
         )
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP frontend settings. Binds 127.0.0.1 unless told otherwise."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: the model folder's path
+    chat_template: str | None = None  # a Jinja file overriding the tokenizer's template
+    max_waiting_requests: int | None = None  # 503 beyond this many requests not yet started
+    queue_timeout_s: float | None = None  # 503 for a request unscheduled this long
+    max_body_bytes: int = 16 << 20
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port < 65536, "port", self.port, "must be in [0, 65535]")
+        _require(
+            self.max_waiting_requests is None or self.max_waiting_requests >= 0,
+            "max_waiting_requests",
+            self.max_waiting_requests,
+            "must be >= 0",
+        )
+        _require(
+            self.queue_timeout_s is None or self.queue_timeout_s > 0,
+            "queue_timeout",
+            self.queue_timeout_s,
+            "must be > 0",
+        )
+        _require(self.max_body_bytes > 0, "max_body_bytes", self.max_body_bytes, "must be > 0")

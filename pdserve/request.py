@@ -31,6 +31,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, in order
     metrics: RequestMetrics = field(init=False)
     runner_state: Any = None  # the model runner's per-request data (e.g. a seeded generator)
+    queue_deadline: float | None = None  # abort if still unscheduled at this time
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -106,6 +106,17 @@ class Scheduler:
         self.kv.free(request)
         del self.requests[request.request_id]
 
+    def expire_waiting(self, now: float) -> list[Request]:
+        """End requests that were never scheduled before their queue deadline."""
+        expired = [
+            r
+            for r in self.waiting
+            if r.queue_deadline is not None
+            and r.metrics.scheduled_time is None
+            and now > r.queue_deadline
+        ]
+        return self.finish_requests([r.request_id for r in expired], RequestStatus.FINISHED_ABORTED)
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)

@@ -1,0 +1,482 @@
+"""The OpenAI-compatible HTTP frontend (FastAPI). `build_app` wires routes to an EngineClient.
+
+The event loop never waits on a model step: engine workers run in their own processes and their
+outputs arrive on a ZMQ socket read by a background task. Tokenization (prompts, chat templates)
+and detokenization happen here, in the frontend, so the workers spend their time on steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pdserve
+from pdserve.config import EngineArgs, ServerConfig
+from pdserve.server import openai_format as fmt
+from pdserve.server.engine_client import EngineClient, EngineDeadError, RequestRejected
+from pdserve.server.errors import (
+    APIError,
+    api_error_handler,
+    error_body,
+    error_response,
+    from_value_error,
+    http_error_handler,
+    internal_error_handler,
+    validation_handler,
+)
+from pdserve.server.metrics import ServerMetrics
+from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.types import RequestOutput, SamplingParams
+
+
+class ServerState:
+    def __init__(self, engine_args: EngineArgs, config: ServerConfig, tokenizer) -> None:
+        self.engine_args = engine_args
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = config.served_model_name or engine_args.model
+        self.metrics = ServerMetrics()
+        self.client = EngineClient(
+            engine_args,
+            tokenizer,
+            queue_timeout_s=config.queue_timeout_s,
+            on_step=self.metrics.on_step,
+            on_finish=self.metrics.on_finish,
+        )
+        self.chat_template = (
+            Path(config.chat_template).read_text() if config.chat_template else None
+        )
+        self.text_of = fmt.TokenText(tokenizer)
+        self.num_unstarted = 0  # requests sent that have produced no token yet
+
+    # ---- input ----------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.model_name, self.engine_args.model):
+            raise APIError(
+                404,
+                f"model '{model}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_capacity(self) -> None:
+        if not self.client.healthy:
+            raise APIError(503, f"engine unavailable: {self.client.dead_reason}")
+        limit = self.config.max_waiting_requests
+        if limit is not None and self.num_unstarted >= limit:
+            raise APIError(
+                503,
+                f"server overloaded: {self.num_unstarted} requests waiting "
+                f"(--max-waiting-requests {limit}); retry later",
+                code="overloaded",
+            )
+
+    def prepare(self, ids: list[int], params: SamplingParams, truncate: int | None) -> list[int]:
+        if truncate is not None:
+            ids = ids[-truncate:]
+        if not ids:
+            raise APIError(400, "invalid prompt: it is empty", param="prompt")
+        max_len = self.client.info.max_model_len
+        vocab = self.client.info.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(
+                400, f"invalid prompt: token ids must be in [0, {vocab})", param="prompt"
+            )
+        if len(ids) >= max_len:
+            raise APIError(
+                400,
+                f"the prompt has {len(ids)} tokens, but this model's context is "
+                f"{max_len} tokens (room for at least one output token is needed); "
+                "shorten it or set truncate_prompt_tokens",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        if params.max_tokens is not None and len(ids) + params.max_tokens > max_len:
+            raise APIError(
+                400,
+                f"invalid max_tokens={params.max_tokens}: the prompt has "
+                f"{len(ids)} tokens and the context is {max_len}, so at most "
+                f"{max_len - len(ids)} can be generated",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return ids
+
+    def tokenize_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            return [(None, list(prompt))]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise APIError(400, "invalid prompt: it is empty", param="prompt")
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                if not p:
+                    raise APIError(400, "invalid prompt: it is empty", param="prompt")
+                out.append((p, self.tokenizer.encode(p)))
+            else:
+                out.append((None, list(p)))
+        return out
+
+    def render_chat(self, body: ChatCompletionRequest) -> list[int]:
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise APIError(
+                400,
+                "this model has no chat template; start the server with "
+                "--chat-template FILE or use /v1/completions",
+                param="messages",
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=body.add_generation_prompt,
+            )
+        except Exception as e:  # a template error is the request's or the template's fault
+            raise APIError(400, f"chat template failed: {e}", param="messages") from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        bos, bos_text = self.tokenizer.bos_token_id, self.tokenizer.bos_token
+        if bos is not None and bos_text and not text.startswith(bos_text):
+            ids = [bos, *ids]  # the template did not add the BOS the model was trained with
+        return ids
+
+    # ---- running --------------------------------------------------------------------------
+    async def stream(
+        self, rid: str, prompt: str | None, ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        self.num_unstarted += 1
+        started = False
+        try:
+            async for out in self.client.generate(rid, prompt, ids, params):
+                if not started:
+                    started = True
+                    self.num_unstarted -= 1
+                yield out
+        except RequestRejected as e:
+            raise APIError(503, f"request not served: {e}", code="queue_timeout") from None
+        except EngineDeadError as e:
+            raise APIError(503, f"engine unavailable: {e}") from None
+        finally:
+            if not started:
+                self.num_unstarted -= 1
+
+
+def _sampling_params(body) -> SamplingParams:
+    for name in ("suffix",):
+        if getattr(body, name, None):
+            raise APIError(400, f"'{name}' is not supported", param=name)
+    if getattr(body, "logit_bias", None):
+        raise APIError(400, "'logit_bias' is not supported", param="logit_bias")
+    if getattr(body, "tools", None):
+        raise APIError(400, "'tools' is not supported", param="tools")
+    best_of = getattr(body, "best_of", None)
+    if best_of is not None and best_of != body.n:
+        raise APIError(400, "'best_of' other than n is not supported", param="best_of")
+    try:
+        return body.to_sampling_params()
+    except ValueError as e:
+        raise from_value_error(e) from None
+
+
+async def _until_disconnect(request: Request, coro):
+    """Run `coro`; if the client goes away first, cancel it (its requests are then aborted)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.05)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, APIError):
+                    await task
+                return None
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def _collect(state: ServerState, jobs) -> list[RequestOutput]:
+    async def last(agen) -> RequestOutput:
+        final = None
+        async for out in agen:
+            final = out
+        return final
+
+    tasks = [asyncio.ensure_future(last(state.stream(*job))) for job in jobs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _merged(state: ServerState, jobs) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come, tagged with the request's position."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, job) -> None:
+        try:
+            async for out in state.stream(*job):
+                await queue.put((i, out))
+        except Exception as e:
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def build_app(engine_args: EngineArgs, config: ServerConfig, tokenizer=None) -> FastAPI:
+    if tokenizer is None:
+        from pdserve.engine.llm_engine import load_tokenizer
+
+        tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model)
+    state = ServerState(engine_args, config, tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await state.client.start()
+        for w in state.client.workers:
+            state.metrics.set_worker_up(w, True)
+        try:
+            yield
+        finally:
+            await state.client.shutdown()
+
+    app = FastAPI(title="pdserve", version=pdserve.__version__, lifespan=lifespan)
+    app.state.pdserve = state
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(Exception, internal_error_handler)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if config.api_key and request.url.path.startswith("/v1"):
+            auth = request.headers.get("authorization", "")
+            if auth != f"Bearer {config.api_key}":
+                return error_response(
+                    401,
+                    "missing or invalid API key (Authorization: Bearer)",
+                    code="invalid_api_key",
+                )
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
+            return error_response(
+                413,
+                f"request body of {length} bytes is over the {config.max_body_bytes}-byte limit",
+            )
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if not state.client.healthy:
+            return error_response(503, f"unhealthy: {state.client.dead_reason}")
+        return {
+            "status": "ok",
+            "workers": [
+                {"id": w.worker_id, "role": w.role, "alive": w.alive} for w in state.client.workers
+            ],
+        }
+
+    @app.get("/version")
+    async def version():
+        return {"version": pdserve.__version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        for w in state.client.workers:
+            state.metrics.set_worker_up(w, w.alive)
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        info = state.client.info
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "pdserve",
+                    "root": engine_args.model,
+                    "max_model_len": info.max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        state.check_model(body.model)
+        params = _sampling_params(body)
+        prompts = state.tokenize_prompts(body.prompt)
+        jobs = []
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        for i, (text, ids) in enumerate(prompts):
+            ids = state.prepare(ids, params, body.truncate_prompt_tokens)
+            jobs.append((f"{rid}-{i}", text, ids, params))
+        state.check_capacity()
+        if body.stream:
+            return _stream_response(state, rid, jobs, body, chat=False)
+        outs = await _until_disconnect(request, _collect(state, jobs))
+        if outs is None:
+            return Response(status_code=499)
+        choices, n_out = [], 0
+        for i, out in enumerate(outs):
+            for c in out.outputs:
+                prefix = (
+                    (out.prompt or state.tokenizer.decode(out.prompt_token_ids))
+                    if body.echo
+                    else ""
+                )
+                lps = None
+                if body.logprobs is not None and c.logprobs:
+                    lps = fmt.completion_logprobs(c.logprobs, state.text_of, len(prefix))
+                choices.append(
+                    fmt.completion_choice(i * params.n + c.index, c, prefix + c.text, lps)
+                )
+                n_out += len(c.token_ids)
+        return _final(state, "text_completion", rid, choices, outs, n_out)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        state.check_model(body.model)
+        params = _sampling_params(body)
+        ids = state.prepare(state.render_chat(body), params, body.truncate_prompt_tokens)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        jobs = [(rid, None, ids, params)]
+        state.check_capacity()
+        if body.stream:
+            return _stream_response(state, rid, jobs, body, chat=True)
+        outs = await _until_disconnect(request, _collect(state, jobs))
+        if outs is None:
+            return Response(status_code=499)
+        choices, n_out = [], 0
+        for c in outs[0].outputs:
+            lps = (
+                fmt.chat_logprobs(c.logprobs, state.text_of)
+                if body.logprobs and c.logprobs
+                else None
+            )
+            choices.append(fmt.chat_choice(c.index, c, lps))
+            n_out += len(c.token_ids)
+        return _final(state, "chat.completion", rid, choices, outs, n_out)
+
+    return app
+
+
+def _final(state: ServerState, kind: str, rid: str, choices, outs, n_out: int) -> JSONResponse:
+    n_prompt = sum(len(o.prompt_token_ids) for o in outs)
+    cached = sum(o.metrics.num_cached_tokens for o in outs if o.metrics)
+    m = fmt.first_metrics(outs)
+    body = fmt.envelope(
+        kind,
+        rid,
+        state.model_name,
+        choices,
+        usage=fmt.usage(n_prompt, n_out, cached),
+        timings=fmt.timings(m),
+    )
+    return JSONResponse(body, headers=fmt.timing_headers(m))
+
+
+def _stream_response(state: ServerState, rid: str, jobs, body, chat: bool) -> StreamingResponse:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    n = jobs[0][3].n
+
+    async def events() -> AsyncIterator[str]:
+        n_prompt = sum(len(j[2]) for j in jobs)
+        n_out = 0
+        sent_role: set[int] = set()
+        last: RequestOutput | None = None
+        try:
+            async for i, out in _merged(state, jobs):
+                last = out
+                for c in out.outputs:
+                    if not c.new_token_ids and not c.new_text and c.finish_reason is None:
+                        continue
+                    n_out += len(c.new_token_ids)
+                    index = i * n + c.index
+                    if chat:
+                        delta = {"content": c.new_text}
+                        if index not in sent_role:
+                            sent_role.add(index)
+                            delta["role"] = "assistant"
+                        choice = {
+                            "index": index,
+                            "delta": delta,
+                            "logprobs": None,
+                            "finish_reason": c.finish_reason,
+                        }
+                        if body.logprobs and c.logprobs and c.new_token_ids:
+                            choice["logprobs"] = fmt.chat_logprobs(
+                                c.logprobs[-len(c.new_token_ids) :], state.text_of
+                            )
+                    else:
+                        choice = {
+                            "index": index,
+                            "text": c.new_text,
+                            "logprobs": None,
+                            "finish_reason": c.finish_reason,
+                        }
+                        if body.logprobs is not None and c.logprobs and c.new_token_ids:
+                            choice["logprobs"] = fmt.completion_logprobs(
+                                c.logprobs[-len(c.new_token_ids) :], state.text_of
+                            )
+                    yield _sse(fmt.envelope(kind, rid, state.model_name, [choice]))
+            if include_usage:  # the usage chunk also carries the phase timings
+                yield _sse(
+                    fmt.envelope(
+                        kind,
+                        rid,
+                        state.model_name,
+                        [],
+                        usage=fmt.usage(n_prompt, n_out),
+                        timings=fmt.timings(last.metrics if last else None),
+                    )
+                )
+        except APIError as e:
+            yield _sse(error_body(e.status, e.message, e.param, e.code))
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )

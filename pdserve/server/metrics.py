@@ -1,0 +1,143 @@
+"""Prometheus metrics of the server, all prefixed `pdserve_` and labelled by worker role and id.
+
+Request latencies are observed in the frontend when a request finishes (definitions in
+docs/ARCHITECTURE.md); step times, MFU/MBU and queue/KV gauges come from the workers' step
+reports. Every server has its own registry, so tests can run several in one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pdserve.ipc.messages import StepOutputs
+from pdserve.types import RequestOutput
+
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+LABELS = ("role", "worker")
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+
+        def hist(name: str, doc: str, labels=LABELS) -> Histogram:
+            return Histogram(f"pdserve_{name}", doc, labels, buckets=LATENCY_BUCKETS, registry=r)
+
+        self.ttft = hist("time_to_first_token_seconds", "TTFT: first token time - arrival")
+        self.itl = hist("inter_token_latency_seconds", "ITL: gap between consecutive tokens")
+        self.tpot = hist("time_per_output_token_seconds", "TPOT: decode time / (tokens - 1)")
+        self.e2e = hist("e2e_request_latency_seconds", "E2E: finish - arrival")
+        self.queue = hist("request_queue_time_seconds", "queue time: scheduled - arrival")
+        self.prefill = hist("request_prefill_time_seconds", "prefill time: first token - scheduled")
+        self.decode = hist("request_decode_time_seconds", "decode time: finish - first token")
+        self.step = hist("step_time_seconds", "engine step time", (*LABELS, "phase"))
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens", LABELS, registry=r)
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens", "generated tokens", LABELS, registry=r
+        )
+        self.requests = Counter(
+            "pdserve_requests", "finished requests", (*LABELS, "finish_reason"), registry=r
+        )
+        self.preemptions = Gauge(
+            "pdserve_preemptions", "preemptions since the worker started", LABELS, registry=r
+        )
+        self.prefix_queries = Gauge(
+            "pdserve_prefix_cache_queries_tokens",
+            "prompt tokens looked up in the prefix cache",
+            LABELS,
+            registry=r,
+        )
+        self.prefix_hits = Gauge(
+            "pdserve_prefix_cache_hits_tokens",
+            "prompt tokens found in the prefix cache",
+            LABELS,
+            registry=r,
+        )
+        self.running = Gauge("pdserve_num_requests_running", "running requests", LABELS, registry=r)
+        self.waiting = Gauge("pdserve_num_requests_waiting", "waiting requests", LABELS, registry=r)
+        self.kv_usage = Gauge(
+            "pdserve_kv_cache_usage_ratio", "KV blocks in use", LABELS, registry=r
+        )
+        self.mfu = Gauge(
+            "pdserve_mfu_ratio",
+            "model FLOPs utilisation of the last step of a phase",
+            (*LABELS, "phase"),
+            registry=r,
+        )
+        self.mbu = Gauge(
+            "pdserve_mbu_ratio",
+            "memory bandwidth utilisation of the last step of a phase",
+            (*LABELS, "phase"),
+            registry=r,
+        )
+        self.worker_up = Gauge(
+            "pdserve_worker_up", "1 while the worker process lives", LABELS, registry=r
+        )
+
+    def on_step(self, worker, msg: StepOutputs) -> None:
+        lab = (worker.role, str(worker.worker_id))
+        for s in msg.steps:
+            self.step.labels(*lab, s.phase).observe(s.step_time_s)
+            if s.mfu is not None:
+                self.mfu.labels(*lab, s.phase).set(s.mfu)
+            if s.mbu is not None:
+                self.mbu.labels(*lab, s.phase).set(s.mbu)
+        st = msg.state
+        self.running.labels(*lab).set(st.num_running)
+        self.waiting.labels(*lab).set(st.num_waiting)
+        self.kv_usage.labels(*lab).set(st.kv_usage)
+        self.preemptions.labels(*lab).set(st.num_preemptions)
+        self.prefix_queries.labels(*lab).set(st.prefix_queries)
+        self.prefix_hits.labels(*lab).set(st.prefix_hits)
+
+    def on_finish(self, worker, out: RequestOutput) -> None:
+        lab = (worker.role, str(worker.worker_id))
+        self.prompt_tokens.labels(*lab).inc(len(out.prompt_token_ids))
+        for c in out.outputs:
+            self.generation_tokens.labels(*lab).inc(len(c.token_ids))
+            self.requests.labels(*lab, c.finish_reason or "abort").inc()
+            m = c.metrics
+            if m is None:
+                continue
+            for hist, value in (
+                (self.ttft, m.ttft),
+                (self.tpot, m.tpot),
+                (self.e2e, m.e2e),
+                (self.queue, m.queue_time),
+                (self.prefill, m.prefill_time),
+                (self.decode, m.decode_time),
+            ):
+                if value is not None:
+                    hist.labels(*lab).observe(value)
+            for gap in m.itl:
+                self.itl.labels(*lab).observe(gap)
+
+    def set_worker_up(self, worker, up: bool) -> None:
+        self.worker_up.labels(worker.role, str(worker.worker_id)).set(1 if up else 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

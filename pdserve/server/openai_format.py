@@ -1,0 +1,119 @@
+"""Response bodies in OpenAI's shapes (completions, chat, streaming chunks, usage, logprobs),
+plus pdserve's `timings` extension: per-request phase durations in milliseconds."""
+
+from __future__ import annotations
+
+import time
+
+from pdserve.types import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(x * 1e3, 3)
+
+
+def timings(m: RequestMetrics | None) -> dict | None:
+    """queue, prefill, TTFT, decode, E2E and TPOT of one request, as the frontend saw them."""
+    if m is None:
+        return None
+    return {
+        "queue_ms": _ms(m.queue_time),
+        "prefill_ms": _ms(m.prefill_time),
+        "ttft_ms": _ms(m.ttft),
+        "decode_ms": _ms(m.decode_time),
+        "e2e_ms": _ms(m.e2e),
+        "tpot_ms": _ms(m.tpot),
+        "cached_prompt_tokens": m.num_cached_tokens,
+    }
+
+
+def timing_headers(m: RequestMetrics | None) -> dict[str, str]:
+    t = timings(m) or {}
+    return {
+        f"x-pdserve-{k.removesuffix('_ms').replace('_', '-')}-ms": f"{v:.3f}"
+        for k, v in t.items()
+        if k.endswith("_ms") and v is not None
+    }
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+class TokenText:
+    """Token id -> its text piece, for logprobs."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, token_id: int) -> str:
+        return self.tokenizer.convert_tokens_to_string(
+            [self.tokenizer.convert_ids_to_tokens(token_id)]
+        )
+
+
+def completion_logprobs(lps: list[Logprob], text_of: TokenText, offset: int = 0) -> dict:
+    tokens = [text_of(lp.token_id) for lp in lps]
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{text_of(t): v for t, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(lps: list[Logprob], text_of: TokenText) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = text_of(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in lps
+        ]
+    }
+
+
+def completion_choice(index: int, c: CompletionOutput, text: str, logprobs: dict | None) -> dict:
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+    }
+
+
+def chat_choice(index: int, c: CompletionOutput, logprobs: dict | None) -> dict:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": c.text},
+        "logprobs": logprobs,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+    }
+
+
+def envelope(kind: str, request_id: str, model: str, choices: list[dict], **extra) -> dict:
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        **extra,
+    }
+
+
+def first_metrics(outputs: list[RequestOutput]) -> RequestMetrics | None:
+    return outputs[0].outputs[0].metrics if outputs and outputs[0].outputs else None
