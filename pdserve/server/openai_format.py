@@ -52,9 +52,12 @@ class TokenText:
         self.tokenizer = tokenizer
 
     def __call__(self, token_id: int) -> str:
-        return self.tokenizer.convert_tokens_to_string(
-            [self.tokenizer.convert_ids_to_tokens(token_id)]
-        )
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        text = self.tokenizer.convert_tokens_to_string([piece])
+        # SentencePiece decoders strip a word's leading space when it stands alone; keep it.
+        if piece.startswith("\u2581") and not text.startswith(" "):
+            text = " " + text
+        return text
 
 
 def completion_logprobs(lps: list[Logprob], text_of: TokenText, offset: int = 0) -> dict:

@@ -1,0 +1,96 @@
+"""Start `pdserve serve` as a real subprocess on a free loopback port, and read its metrics."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        values = [float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)]
+        return sum(values)
+
+    def wait_idle(self, timeout_s: float = 15.0) -> None:
+        """Wait until no request runs or waits and no KV block is referenced (the pool is whole)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if (
+                self.metric("pdserve_num_requests_running") == 0
+                and self.metric("pdserve_num_requests_waiting") == 0
+                and self.metric("pdserve_kv_cache_usage_ratio") == 0
+            ):
+                return
+            time.sleep(0.1)
+        raise AssertionError(
+            "server not idle: running=%s waiting=%s kv_usage=%s"
+            % (
+                self.metric("pdserve_num_requests_running"),
+                self.metric("pdserve_num_requests_waiting"),
+                self.metric("pdserve_kv_cache_usage_ratio"),
+            )
+        )
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_server(model: str, *extra: str, timeout_s: float = 120.0) -> Server:
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *extra,
+    ]
+    proc = subprocess.Popen(cmd, env=os.environ.copy())
+    server = Server(proc, port)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError("server did not become healthy")
