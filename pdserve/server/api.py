@@ -18,6 +18,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pdserve
@@ -69,7 +70,8 @@ class ServerState:
                 code="model_not_found",
             )
 
-    def check_capacity(self) -> None:
+    def admit(self, num_requests: int) -> Admission:
+        """Reserve room for requests in the waiting queue, or raise 503."""
         if not self.client.healthy:
             raise APIError(503, f"engine unavailable: {self.client.dead_reason}")
         limit = self.config.max_waiting_requests
@@ -80,6 +82,7 @@ class ServerState:
                 f"(--max-waiting-requests {limit}); retry later",
                 code="overloaded",
             )
+        return Admission(self, num_requests)
 
     def prepare(self, ids: list[int], params: SamplingParams, truncate: int | None) -> list[int]:
         if truncate is not None:
@@ -161,23 +164,41 @@ class ServerState:
 
     # ---- running --------------------------------------------------------------------------
     async def stream(
-        self, rid: str, prompt: str | None, ids: list[int], params: SamplingParams
+        self,
+        admission: Admission,
+        rid: str,
+        prompt: str | None,
+        ids: list[int],
+        params: SamplingParams,
     ) -> AsyncIterator[RequestOutput]:
-        self.num_unstarted += 1
         started = False
         try:
             async for out in self.client.generate(rid, prompt, ids, params):
                 if not started:
                     started = True
-                    self.num_unstarted -= 1
+                    admission.started_one()
                 yield out
         except RequestRejected as e:
             raise APIError(503, f"request not served: {e}", code="queue_timeout") from None
         except EngineDeadError as e:
             raise APIError(503, f"engine unavailable: {e}") from None
-        finally:
-            if not started:
-                self.num_unstarted -= 1
+
+
+class Admission:
+    """Requests counted as waiting from admission until their first token (or their end)."""
+
+    def __init__(self, state: ServerState, num_requests: int) -> None:
+        self.state, self.remaining = state, num_requests
+        state.num_unstarted += num_requests
+
+    def started_one(self) -> None:
+        if self.remaining > 0:
+            self.remaining -= 1
+            self.state.num_unstarted -= 1
+
+    def close(self) -> None:
+        self.state.num_unstarted -= self.remaining
+        self.remaining = 0
 
 
 def _sampling_params(body) -> SamplingParams:
@@ -214,14 +235,14 @@ async def _until_disconnect(request: Request, coro):
             task.cancel()
 
 
-async def _collect(state: ServerState, jobs) -> list[RequestOutput]:
+async def _collect(state: ServerState, adm: Admission, jobs) -> list[RequestOutput]:
     async def last(agen) -> RequestOutput:
         final = None
         async for out in agen:
             final = out
         return final
 
-    tasks = [asyncio.ensure_future(last(state.stream(*job))) for job in jobs]
+    tasks = [asyncio.ensure_future(last(state.stream(adm, *job))) for job in jobs]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
@@ -233,13 +254,15 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _merged(state: ServerState, jobs) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merged(
+    state: ServerState, adm: Admission, jobs
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several requests as they come, tagged with the request's position."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, job) -> None:
         try:
-            async for out in state.stream(*job):
+            async for out in state.stream(adm, *job):
                 await queue.put((i, out))
         except Exception as e:
             await queue.put((i, e))
@@ -260,6 +283,58 @@ async def _merged(state: ServerState, jobs) -> AsyncIterator[tuple[int, RequestO
     finally:
         for t in tasks:
             t.cancel()
+
+
+class GuardMiddleware:
+    """API key on /v1 routes and the body size limit, as plain ASGI (it leaves the receive
+    channel alone, so handlers still see the client's disconnect)."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+        authorized = headers.get(b"authorization", b"") == f"Bearer {self.api_key}".encode()
+        if self.api_key and scope["path"].startswith("/v1") and not authorized:
+            resp = error_response(
+                401, "missing or invalid API key (Authorization: Bearer)", code="invalid_api_key"
+            )
+            return await resp(scope, receive, send)
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return await self._too_large(scope, receive, send)
+        received = 0
+        started = False
+
+        async def counting_receive():  # a chunked body has no Content-Length to check
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await self._too_large(scope, receive, send)
+
+    async def _too_large(self, scope, receive, send):
+        resp = error_response(413, f"request body over the {self.max_body_bytes}-byte limit")
+        await resp(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
 
 
 def build_app(engine_args: EngineArgs, config: ServerConfig, tokenizer=None) -> FastAPI:
@@ -286,23 +361,9 @@ def build_app(engine_args: EngineArgs, config: ServerConfig, tokenizer=None) -> 
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(Exception, internal_error_handler)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if config.api_key and request.url.path.startswith("/v1"):
-            auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {config.api_key}":
-                return error_response(
-                    401,
-                    "missing or invalid API key (Authorization: Bearer)",
-                    code="invalid_api_key",
-                )
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
-            return error_response(
-                413,
-                f"request body of {length} bytes is over the {config.max_body_bytes}-byte limit",
-            )
-        return await call_next(request)
+    app.add_middleware(
+        GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes
+    )
 
     @app.get("/health")
     async def health():
@@ -311,7 +372,8 @@ def build_app(engine_args: EngineArgs, config: ServerConfig, tokenizer=None) -> 
         return {
             "status": "ok",
             "workers": [
-                {"id": w.worker_id, "role": w.role, "alive": w.alive} for w in state.client.workers
+                {"id": w.worker_id, "role": w.role, "alive": w.alive, "pid": w.proc.pid}
+                for w in state.client.workers
             ],
         }
 
@@ -352,10 +414,13 @@ def build_app(engine_args: EngineArgs, config: ServerConfig, tokenizer=None) -> 
         for i, (text, ids) in enumerate(prompts):
             ids = state.prepare(ids, params, body.truncate_prompt_tokens)
             jobs.append((f"{rid}-{i}", text, ids, params))
-        state.check_capacity()
+        adm = state.admit(len(jobs))
         if body.stream:
-            return _stream_response(state, rid, jobs, body, chat=False)
-        outs = await _until_disconnect(request, _collect(state, jobs))
+            return _stream_response(state, adm, rid, jobs, body, chat=False)
+        try:
+            outs = await _until_disconnect(request, _collect(state, adm, jobs))
+        finally:
+            adm.close()
         if outs is None:
             return Response(status_code=499)
         choices, n_out = [], 0
@@ -382,10 +447,13 @@ def build_app(engine_args: EngineArgs, config: ServerConfig, tokenizer=None) -> 
         ids = state.prepare(state.render_chat(body), params, body.truncate_prompt_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = [(rid, None, ids, params)]
-        state.check_capacity()
+        adm = state.admit(len(jobs))
         if body.stream:
-            return _stream_response(state, rid, jobs, body, chat=True)
-        outs = await _until_disconnect(request, _collect(state, jobs))
+            return _stream_response(state, adm, rid, jobs, body, chat=True)
+        try:
+            outs = await _until_disconnect(request, _collect(state, adm, jobs))
+        finally:
+            adm.close()
         if outs is None:
             return Response(status_code=499)
         choices, n_out = [], 0
@@ -417,7 +485,9 @@ def _final(state: ServerState, kind: str, rid: str, choices, outs, n_out: int) -
     return JSONResponse(body, headers=fmt.timing_headers(m))
 
 
-def _stream_response(state: ServerState, rid: str, jobs, body, chat: bool) -> StreamingResponse:
+def _stream_response(
+    state: ServerState, adm: Admission, rid: str, jobs, body, chat: bool
+) -> StreamingResponse:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     kind = "chat.completion.chunk" if chat else "text_completion"
     n = jobs[0][3].n
@@ -428,7 +498,7 @@ def _stream_response(state: ServerState, rid: str, jobs, body, chat: bool) -> St
         sent_role: set[int] = set()
         last: RequestOutput | None = None
         try:
-            async for i, out in _merged(state, jobs):
+            async for i, out in _merged(state, adm, jobs):
                 last = out
                 for c in out.outputs:
                     if not c.new_token_ids and not c.new_text and c.finish_reason is None:
@@ -477,6 +547,16 @@ def _stream_response(state: ServerState, rid: str, jobs, body, chat: bool) -> St
             yield _sse(error_body(e.status, e.message, e.param, e.code))
         yield "data: [DONE]\n\n"
 
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for event in events():
+                yield event
+        finally:
+            adm.close()
+
     return StreamingResponse(
-        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        guarded(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+        background=BackgroundTask(adm.close),  # in case the body is never iterated
     )

@@ -90,6 +90,7 @@ class EngineClient:
         self.processor = OutputProcessor(tokenizer)
         self.streams: dict[str, _Stream] = {}
         self.dead_reason: str | None = None
+        self.closing = False
         self._tasks: list[asyncio.Task] = []
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -149,6 +150,7 @@ class EngineClient:
         return self.dead_reason is None and all(w.alive for w in self.workers)
 
     async def shutdown(self, grace_s: float = 5.0) -> None:
+        self.closing = True
         for w in self.workers:
             if w.alive:
                 with contextlib.suppress(zmq.ZMQError):
@@ -197,7 +199,7 @@ class EngineClient:
         while True:
             await asyncio.sleep(0.2)
             for w in self.workers:
-                if w.alive and w.proc.poll() is not None:
+                if w.alive and not self.closing and w.proc.poll() is not None:
                     w.alive = False
                     self.dead_reason = (
                         f"engine worker {w.worker_id} died (exit code {w.proc.returncode})"

@@ -45,14 +45,10 @@ class Server:
             ):
                 return
             time.sleep(0.1)
-        raise AssertionError(
-            "server not idle: running=%s waiting=%s kv_usage=%s"
-            % (
-                self.metric("pdserve_num_requests_running"),
-                self.metric("pdserve_num_requests_waiting"),
-                self.metric("pdserve_kv_cache_usage_ratio"),
-            )
-        )
+        running = self.metric("pdserve_num_requests_running")
+        waiting = self.metric("pdserve_num_requests_waiting")
+        usage = self.metric("pdserve_kv_cache_usage_ratio")
+        raise AssertionError(f"not idle: running={running} waiting={waiting} kv_usage={usage}")
 
     def stop(self) -> int:
         if self.proc.poll() is None:

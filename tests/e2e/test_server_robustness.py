@@ -1,0 +1,322 @@
+"""Bad input, overload, disconnects, a dead worker and shutdown: clear errors, nothing lost.
+
+After every scenario the server still answers and the worker's KV pool is whole (no block is
+referenced once no request runs), read from the server's own metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from server_harness import start_server
+
+CMPL = "/v1/completions"
+CHAT = "/v1/chat/completions"
+OK_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def cmpl(**kw):
+    return {"prompt": "Once upon a time", "max_tokens": 4, **kw}
+
+
+# (path, body or raw bytes, expected status, text the error message must contain)
+MALFORMED = [
+    (CMPL, b"not json", 400, "malformed JSON"),
+    (CMPL, b"{", 400, "malformed JSON"),
+    (CMPL, b"[]", 400, "invalid"),
+    (CMPL, {"max_tokens": 4}, 400, "missing required field 'prompt'"),
+    (CMPL, cmpl(prompt=123), 400, "prompt"),
+    (CMPL, cmpl(prompt=""), 400, "empty"),
+    (CMPL, cmpl(prompt=[]), 400, "empty"),
+    (CMPL, cmpl(prompt=[[]]), 400, "empty"),
+    (CMPL, cmpl(prompt=[1, "a"]), 400, "prompt"),
+    (CMPL, cmpl(prompt=[-1]), 400, "token ids"),
+    (CMPL, cmpl(prompt=[999999]), 400, "token ids"),
+    (CMPL, cmpl(max_tokens="ten"), 400, "max_tokens"),
+    (CMPL, cmpl(max_tokens=0), 400, "max_tokens=0"),
+    (CMPL, cmpl(max_tokens=-5), 400, "max_tokens=-5"),
+    (CMPL, cmpl(max_tokens=100000), 400, "max_tokens=100000"),
+    (CMPL, cmpl(max_tokens=2.5), 400, "max_tokens"),
+    (CMPL, cmpl(temperature=-1), 400, "temperature=-1"),
+    (CMPL, cmpl(temperature="hot"), 400, "temperature"),
+    (CMPL, cmpl(top_p=0), 400, "top_p=0"),
+    (CMPL, cmpl(top_p=1.5), 400, "top_p=1.5"),
+    (CMPL, cmpl(n=0), 400, "n=0"),
+    (CMPL, cmpl(n="two"), 400, "'n'"),
+    (CMPL, cmpl(stream="yes"), 400, "stream"),
+    (CMPL, cmpl(stop=5), 400, "stop"),
+    (CMPL, cmpl(stop=[""]), 400, "stop"),
+    (CMPL, cmpl(logprobs=50), 400, "logprobs=50"),
+    (CMPL, cmpl(presence_penalty=5), 400, "presence_penalty=5"),
+    (CMPL, cmpl(frequency_penalty=-3), 400, "frequency_penalty=-3"),
+    (CMPL, cmpl(top_k=-5), 400, "top_k=-5"),
+    (CMPL, cmpl(min_p=2), 400, "min_p=2"),
+    (CMPL, cmpl(repetition_penalty=0), 400, "repetition_penalty=0"),
+    (CMPL, cmpl(min_tokens=10, max_tokens=4), 400, "min_tokens=10"),
+    (CMPL, cmpl(seed="abc"), 400, "seed"),
+    (CMPL, cmpl(suffix="x"), 400, "suffix"),
+    (CMPL, cmpl(logit_bias={"5": 1.0}), 400, "logit_bias"),
+    (CMPL, cmpl(truncate_prompt_tokens=0), 400, "truncate_prompt_tokens"),
+    (CMPL, cmpl(stop_token_ids=[-1]), 400, "stop_token_ids"),
+    (CMPL, cmpl(prompt="x " * 600), 400, "context"),
+    (CMPL, cmpl(model="gpt-4"), 404, "gpt-4"),
+    ("/v1/nothing", cmpl(), 404, "no route"),
+    (CHAT, {"max_tokens": 4}, 400, "messages"),
+    (CHAT, {"messages": []}, 400, "messages"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "text content",
+    ),
+    (CHAT, {"messages": "hi"}, 400, "messages"),
+    (CHAT, {**OK_CHAT, "top_logprobs": 99, "logprobs": True}, 400, "logprobs=99"),
+    (CHAT, {**OK_CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "message"), MALFORMED)
+def test_malformed_requests(server, path, body, status, message):
+    if isinstance(body, bytes):
+        r = httpx.post(
+            server.url + path, content=body, headers={"content-type": "application/json"}
+        )
+    else:
+        r = httpx.post(server.url + path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert message in err["message"], err
+    assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_wrong_method_and_oversized_body(server):
+    assert httpx.get(server.url + CMPL).status_code == 405
+    big = json.dumps(cmpl(prompt="a" * (17 << 20)))
+    r = httpx.post(server.url + CMPL, content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+
+def test_truncate_prompt_tokens_accepts_long_prompts(server):
+    r = httpx.post(server.url + CMPL, json=cmpl(prompt="x " * 600, truncate_prompt_tokens=100))
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 100
+
+
+@pytest.fixture(scope="module")
+def openapi(server):
+    return httpx.get(f"{server.url}/openapi.json").json()
+
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**6), 10**6)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=8,
+)
+
+
+def test_fuzzed_request_bodies_never_500(server, openapi):
+    """Bodies built from the served schema's field names with values of any JSON type."""
+    schemas = openapi["components"]["schemas"]
+    cases = [
+        (CMPL, list(schemas["CompletionRequest"]["properties"])),
+        (CHAT, list(schemas["ChatCompletionRequest"]["properties"])),
+    ]
+    seen: set[int] = set()
+
+    @settings(
+        max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True
+    )
+    @given(
+        st.sampled_from(cases).flatmap(
+            lambda c: st.tuples(
+                st.just(c[0]),
+                st.dictionaries(st.sampled_from(c[1]), JSON_VALUES, max_size=6),
+            )
+        )
+    )
+    def check(case):
+        path, body = case
+        body.setdefault("max_tokens", 3)  # keep each generated answer short
+        r = httpx.post(server.url + path, json=body, timeout=30)
+        seen.add(r.status_code)
+        assert r.status_code in (200, 400, 404), (r.status_code, body, r.text)
+        if r.status_code != 200:
+            assert r.json()["error"]["message"]
+
+    check()
+    assert 400 in seen
+    r = httpx.post(server.url + CMPL, json=cmpl(temperature=0))
+    assert r.status_code == 200 and r.json()["choices"][0]["text"]
+    server.wait_idle()
+
+
+def test_streaming_client_disconnect_aborts_and_frees_blocks(server):
+    with httpx.stream(
+        "POST", server.url + CMPL, json=cmpl(max_tokens=400, ignore_eos=True, stream=True)
+    ) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+    server.wait_idle(timeout_s=10)
+    finished = server.metric("pdserve_requests_total")
+    assert finished >= 0
+
+
+def test_non_streaming_client_disconnect_aborts(server):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + CMPL, json=cmpl(max_tokens=450, ignore_eos=True), timeout=0.3)
+    server.wait_idle(timeout_s=10)
+
+
+def test_200_concurrent_streaming_clients(server):
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        body = cmpl(
+            prompt=f"Story {i}:",
+            max_tokens=12,
+            ignore_eos=True,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        tokens = None
+        async with client.stream("POST", server.url + CMPL, json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+        return tokens
+
+    async def main():
+        limits = httpx.Limits(max_connections=250, max_keepalive_connections=250)
+        async with httpx.AsyncClient(limits=limits, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(200)))
+
+    assert asyncio.run(main()) == [12] * 200
+    server.wait_idle()
+
+
+def test_api_key_required(stories_path):
+    s = start_server(stories_path, "--api-key", "sekret")
+    try:
+        assert httpx.post(s.url + CMPL, json=cmpl()).status_code == 401
+        bad = httpx.post(s.url + CMPL, json=cmpl(), headers={"authorization": "Bearer nope"})
+        assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+        good = httpx.post(s.url + CMPL, json=cmpl(), headers={"authorization": "Bearer sekret"})
+        assert good.status_code == 200
+        assert httpx.get(s.url + "/health").status_code == 200
+    finally:
+        s.stop()
+
+
+def _burst(url: str, n: int, body: dict) -> list[httpx.Response]:
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(client.post(url + CMPL, json=body) for _ in range(n)))
+
+    return asyncio.run(main())
+
+
+def test_overload_max_waiting_requests_503(stories_path):
+    s = start_server(stories_path, "--max-num-seqs", "1", "--max-waiting-requests", "2")
+    try:
+        rs = _burst(s.url, 10, cmpl(max_tokens=150, ignore_eos=True))
+        codes = sorted(r.status_code for r in rs)
+        assert 503 in codes and 200 in codes and set(codes) <= {200, 503}
+        over = next(r for r in rs if r.status_code == 503)
+        assert "overloaded" in over.json()["error"]["message"] and over.headers["retry-after"]
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
+def test_queue_timeout_503(stories_path):
+    s = start_server(stories_path, "--max-num-seqs", "1", "--queue-timeout", "0.15")
+    try:
+        rs = _burst(s.url, 4, cmpl(max_tokens=300, ignore_eos=True))
+        codes = [r.status_code for r in rs]
+        assert 200 in codes and 503 in codes
+        timed_out = next(r for r in rs if r.status_code == 503)
+        assert "queue timeout" in timed_out.json()["error"]["message"]
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
+def test_dead_worker_fails_requests_clearly_without_hanging(stories_path):
+    s = start_server(stories_path)
+    try:
+        pid = httpx.get(s.url + "/health").json()["workers"][0]["pid"]
+        result = {}
+
+        def stream():
+            with httpx.stream(
+                "POST",
+                s.url + CMPL,
+                timeout=30,
+                json=cmpl(max_tokens=450, ignore_eos=True, stream=True),
+            ) as r:
+                result["lines"] = list(r.iter_lines())
+
+        t = threading.Thread(target=stream)
+        t.start()
+        time.sleep(0.3)
+        os.kill(pid, signal.SIGKILL)
+        t.join(timeout=10)
+        assert not t.is_alive()
+        assert any("engine unavailable" in line for line in result["lines"])
+        assert result["lines"][-1] == "data: [DONE]" or result["lines"][-2] == "data: [DONE]"
+        h = httpx.get(s.url + "/health")
+        assert h.status_code == 503 and "died" in h.json()["error"]["message"]
+        r = httpx.post(s.url + CMPL, json=cmpl(), timeout=10)
+        assert r.status_code == 503 and "engine unavailable" in r.json()["error"]["message"]
+    finally:
+        s.stop()
+
+
+def test_sigterm_shuts_down_cleanly(stories_path):
+    s = start_server(stories_path)
+    pid = httpx.get(s.url + "/health").json()["workers"][0]["pid"]
+    done = {}
+
+    def stream():
+        try:
+            with httpx.stream(
+                "POST",
+                s.url + CMPL,
+                timeout=30,
+                json=cmpl(max_tokens=450, ignore_eos=True, stream=True),
+            ) as r:
+                done["lines"] = list(r.iter_lines())
+        except httpx.HTTPError as e:
+            done["error"] = e
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(0.3)
+    # uvicorn shuts down gracefully, then re-raises the signal: exit by SIGTERM is expected.
+    assert s.stop() in (0, -signal.SIGTERM)
+    t.join(timeout=10)
+    assert not t.is_alive()
+    with pytest.raises(ProcessLookupError):  # the worker is gone too
+        for _ in range(50):
+            os.kill(pid, 0)
+            time.sleep(0.1)
+    with socket.socket() as sock:  # the port is free again
+        sock.bind(("127.0.0.1", s.port))
