@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -338,3 +338,81 @@ class ServerConfig:
             "must be > 0",
         )
         _require(self.max_body_bytes > 0, "max_body_bytes", self.max_body_bytes, "must be > 0")
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """Worker pools. `num_prefill_workers == 0` is the colocated default (one worker, role both)."""
+
+    num_prefill_workers: int = 0
+    num_decode_workers: int = 1
+    kv_transport: str = "shm"  # "shm" (one host) | "tcp"
+    kv_host: str = "127.0.0.1"  # where decode workers bind their TCP KV channel
+    kv_transfer_timeout_s: float = 30.0
+    min_prompt_tokens: int = 0  # shorter prompts are prefilled on the decode worker
+    on_prefill_failure: str = "recompute"  # "recompute" | "fail"
+    prefill_cpus: tuple[str, ...] = ()  # one CPU set per prefill worker (cycled), e.g. ("0",)
+    decode_cpus: tuple[str, ...] = ()
+    prefill_overrides: dict[str, Any] = field(default_factory=dict)  # EngineArgs fields
+    decode_overrides: dict[str, Any] = field(default_factory=dict)
+    restart_workers: bool = False
+
+    def __post_init__(self) -> None:
+        _require(
+            self.num_prefill_workers >= 0,
+            "prefill_workers",
+            self.num_prefill_workers,
+            "must be >= 0",
+        )
+        _require(
+            self.num_decode_workers >= 1, "decode_workers", self.num_decode_workers, "must be >= 1"
+        )
+        _require(
+            self.num_prefill_workers > 0 or self.num_decode_workers == 1,
+            "decode_workers",
+            self.num_decode_workers,
+            "more than one needs --prefill-workers >= 1",
+        )
+        _require(
+            self.kv_transport in ("shm", "tcp"),
+            "kv_transport",
+            self.kv_transport,
+            "must be shm or tcp",
+        )
+        _require(
+            self.kv_transfer_timeout_s > 0,
+            "kv_transfer_timeout",
+            self.kv_transfer_timeout_s,
+            "must be > 0",
+        )
+        _require(
+            self.on_prefill_failure in ("recompute", "fail"),
+            "on_prefill_failure",
+            self.on_prefill_failure,
+            "must be recompute or fail",
+        )
+        allowed = EngineArgs.field_names() - {"model", "tokenizer", "extra"}
+        for name in (*self.prefill_overrides, *self.decode_overrides):
+            _require(name in allowed, "pool override", name, "is not an engine argument")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.num_prefill_workers > 0
+
+
+def worker_specs(
+    args: EngineArgs, disagg: DisaggConfig
+) -> list[tuple[str, EngineArgs, str | None]]:
+    """(role, engine args, CPU set) of every worker, prefill workers first."""
+    if not disagg.disaggregated:
+        cpus = disagg.decode_cpus[0] if disagg.decode_cpus else None
+        return [("both", args, cpus)]
+    out = []
+    for role, n, overrides, cpus in (
+        ("prefill", disagg.num_prefill_workers, disagg.prefill_overrides, disagg.prefill_cpus),
+        ("decode", disagg.num_decode_workers, disagg.decode_overrides, disagg.decode_cpus),
+    ):
+        pool_args = replace(args, **overrides)
+        for i in range(n):
+            out.append((role, pool_args, cpus[i % len(cpus)] if cpus else None))
+    return out

@@ -32,6 +32,10 @@ class Request:
     metrics: RequestMetrics = field(init=False)
     runner_state: Any = None  # the model runner's per-request data (e.g. a seeded generator)
     queue_deadline: float | None = None  # abort if still unscheduled at this time
+    # Disaggregation: "receive" (a decode worker waits for the prompt's KV from a prefill worker)
+    # or "send" (a prefill worker computes the prompt, ships its KV, and hands the request off).
+    kv_role: str | None = None
+    kv_dest: Any = None  # for "send": where the KV goes (pdserve.disagg.KVDest)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

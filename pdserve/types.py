@@ -117,6 +117,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"  # EOS, stop token or stop string
     FINISHED_LENGTH = "finished_length"  # max_tokens or the model's context
     FINISHED_ABORTED = "finished_aborted"  # client abort or error
+    FINISHED_REMOTE = "finished_remote"  # prefill worker: prompt done, request handed off
 
     @property
     def finished(self) -> bool:

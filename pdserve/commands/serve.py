@@ -39,7 +39,110 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--max-body-bytes", type=int, default=16 << 20, help="413 above this body size")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--cpus", help="colocated: CPU set of the worker, e.g. 0-1")
     add_engine_arguments(p)
+
+    d = p.add_argument_group("disaggregation (prefill and decode worker pools)")
+    d.add_argument(
+        "--mode",
+        choices=["colocated", "disagg"],
+        help="default: disagg when --prefill-workers >= 1, else colocated",
+    )
+    d.add_argument("--prefill-workers", type=int, default=0, metavar="P")
+    d.add_argument("--decode-workers", type=int, default=1, metavar="D")
+    d.add_argument(
+        "--kv-transport",
+        choices=["shm", "tcp"],
+        default="shm",
+        help="how KV moves from prefill to decode workers (default: shm, one host)",
+    )
+    d.add_argument(
+        "--kv-host",
+        default="127.0.0.1",
+        help="address decode workers bind their TCP KV channel to (default: 127.0.0.1)",
+    )
+    d.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="recompute on the decode worker if the KV has not arrived by then",
+    )
+    d.add_argument(
+        "--disagg-min-prompt-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="prefill prompts shorter than N on the decode worker itself",
+    )
+    d.add_argument(
+        "--on-prefill-failure",
+        choices=["recompute", "fail"],
+        default="recompute",
+        help="a dead prefill worker: recompute on the decode worker, or fail with 503",
+    )
+    d.add_argument(
+        "--restart-workers",
+        action="store_true",
+        help="start a dead worker again; it rejoins its pool",
+    )
+    d.add_argument(
+        "--prefill-cpus",
+        action="append",
+        default=[],
+        help="CPU set of a prefill worker (repeat per worker), e.g. 0",
+    )
+    d.add_argument(
+        "--decode-cpus",
+        action="append",
+        default=[],
+        help="CPU set of a decode worker (repeat per worker), e.g. 1",
+    )
+    for pool in ("prefill", "decode"):
+        for opt, typ in POOL_OPTIONS:
+            d.add_argument(
+                f"--{pool}-{opt}", type=typ, metavar="N", help=f"{pool} pool only: --{opt}"
+            )
+
+
+POOL_OPTIONS = [
+    ("max-num-batched-tokens", int),
+    ("max-num-seqs", int),
+    ("long-prefill-token-threshold", int),
+    ("kv-cache-memory", str),
+    ("num-kv-blocks", int),
+    ("block-size", int),
+]
+
+
+def disagg_config_from(args: argparse.Namespace):
+    from pdserve.config import DisaggConfig
+
+    if args.mode == "disagg" and args.prefill_workers < 1:
+        raise ValueError("invalid --mode disagg: needs --prefill-workers >= 1")
+    if args.mode == "colocated" and args.prefill_workers:
+        raise ValueError("invalid --mode colocated with --prefill-workers")
+    overrides = {}
+    for pool in ("prefill", "decode"):
+        overrides[pool] = {
+            opt.replace("-", "_"): getattr(args, f"{pool}_{opt.replace('-', '_')}")
+            for opt, _ in POOL_OPTIONS
+            if getattr(args, f"{pool}_{opt.replace('-', '_')}") is not None
+        }
+    return DisaggConfig(
+        num_prefill_workers=args.prefill_workers,
+        num_decode_workers=args.decode_workers,
+        kv_transport=args.kv_transport,
+        kv_host=args.kv_host,
+        kv_transfer_timeout_s=args.kv_transfer_timeout,
+        min_prompt_tokens=args.disagg_min_prompt_tokens,
+        on_prefill_failure=args.on_prefill_failure,
+        prefill_cpus=tuple(args.prefill_cpus),
+        decode_cpus=tuple(args.decode_cpus or ([args.cpus] if args.cpus else [])),
+        prefill_overrides=overrides["prefill"],
+        decode_overrides=overrides["decode"],
+        restart_workers=args.restart_workers,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    app = build_app(engine_args_from(args), config)
+    app = build_app(engine_args_from(args), config, disagg=disagg_config_from(args))
     uvicorn.run(
         app,
         host=config.host,

@@ -19,7 +19,9 @@ from pdserve.types import EngineCoreOutput, RequestStatus, SamplingParams
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs, model_config: ModelConfig | None = None) -> None:
+    def __init__(
+        self, args: EngineArgs, model_config: ModelConfig | None = None, kv_cache_factory=None
+    ) -> None:
         self.args = args
         self.model_config = model_config or ModelConfig.from_pretrained(args.model)
         max_len = self.model_config.max_model_len
@@ -36,7 +38,13 @@ class EngineCore:
             torch.set_num_threads(args.num_threads)
         cache_config = args.cache_config()
         self.runner = ModelRunner(
-            self.model_config, cache_config, args.device, args.dtype, max_len, args.seed
+            self.model_config,
+            cache_config,
+            args.device,
+            args.dtype,
+            max_len,
+            args.seed,
+            kv_cache_factory=kv_cache_factory,
         )
         self.kv = KVCacheManager(
             self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
@@ -107,6 +115,10 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        return self.execute(plan)
+
+    def execute(self, plan) -> list[EngineCoreOutput]:
+        """Run a scheduled plan: forward, sample, update (for callers that act between)."""
         t0 = time.perf_counter()
         sampled, logprobs = self.runner.execute(plan, self.kv.req_block_ids)
         t1 = time.perf_counter()

@@ -1,9 +1,16 @@
 """The engine worker process: one EngineCore stepped in a loop, driven over ZMQ.
 
 Started by the frontend as `python -m pdserve.engine.worker` with its engine arguments as JSON;
-it connects to the frontend's sockets (it binds nothing), reports `WorkerInfo` when the model is
-loaded, then alternates between draining control messages and stepping. It blocks on its input
-socket only when it has no work. A fatal error is reported, then the process exits non-zero.
+it connects to the frontend's sockets, reports `WorkerInfo` when the model is loaded, then
+alternates between draining control messages and stepping; it blocks on its sockets only when it
+has no work. A fatal error is reported, then the process exits non-zero.
+
+Roles change only what the connector does around the same loop:
+- `both`: a colocated worker, no connector.
+- `prefill`: a `KVSender` ships each layer's KV of "send" requests to their decode worker while
+  the step computes; a handed-off request ends here after its first token.
+- `decode`: the KV cache lives where prefill workers can reach it (shared memory, or a TCP
+  channel); "receive" requests hold blocks until their `KVDone` arrives, then decode on.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -23,15 +31,20 @@ from pdserve.ipc.channel import Decoder, Encoder, make_socket
 from pdserve.ipc.messages import (
     AddRequest,
     FinishRequests,
+    KVReservation,
+    PeerInfo,
+    ReleaseKV,
+    ResumeLocally,
     Shutdown,
     StepOutputs,
     StepStatsMsg,
     ToWorker,
+    TransferStat,
     WorkerError,
     WorkerInfo,
     WorkerState,
 )
-from pdserve.types import EngineCoreOutput
+from pdserve.types import EngineCoreOutput, RequestStatus
 
 logger = logging.getLogger("pdserve.worker")
 
@@ -40,50 +53,111 @@ IDLE_POLL_MS = 100
 
 class Worker:
     def __init__(
-        self, args: EngineArgs, input_addr: str, output_addr: str, role: str, worker_id: int
+        self,
+        args: EngineArgs,
+        input_addr: str,
+        output_addr: str,
+        role: str,
+        worker_id: int,
+        kv_transport: str = "shm",
+        kv_address: str | None = None,
     ):
         self.args = args
         self.role = role
         self.worker_id = worker_id
+        self.kv_transport = kv_transport
+        self.kv_address = kv_address
         self.ctx = zmq.Context()
         self.out_sock = make_socket(self.ctx, zmq.PUSH, output_addr, bind=False)
         self.in_sock = make_socket(self.ctx, zmq.PULL, input_addr, bind=False)
         self.encode = Encoder()
         self.decode = Decoder(ToWorker)
         self.core = None
+        self.sender = None  # prefill role
+        self.receiver = None  # decode role
         self.running = True
+        self.kv_received: list[str] = []
+        self.transfers: list[TransferStat] = []
 
     def send(self, msg) -> None:
         self.out_sock.send(self.encode(msg), copy=False)
 
+    # ---- startup -------------------------------------------------------------------------
     def start(self) -> None:
+        from pdserve.disagg.protocol import KVLayout, model_identity
         from pdserve.engine.core import EngineCore
 
-        self.core = EngineCore(self.args)
-        runner = self.core.runner
+        shm_paths: list[str] = []
+        factory = None
+        if self.role == "decode" and self.kv_transport == "shm":
+            from pdserve.disagg.connector import shm_cache_factory
+
+            factory = shm_cache_factory(shm_paths)
+        self.core = core = EngineCore(self.args, kv_cache_factory=factory)
+        runner = core.runner
+        dtype = str(runner.dtype).removeprefix("torch.")
+        mc = core.model_config
+        layout = KVLayout(
+            model_identity(mc),
+            dtype,
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            runner.block_size,
+        )
+        endpoint = None
+        if self.role == "prefill":
+            from pdserve.disagg.connector import KVSender
+
+            self.sender = KVSender(self.worker_id, runner.kv_caches, runner.block_size, layout)
+            runner.add_layer_hook(self.sender.on_layer)
+        elif self.role == "decode":
+            from pdserve.disagg.connector import KVReceiver
+
+            sched = core.scheduler
+            self.receiver = KVReceiver(
+                self.worker_id,
+                runner.kv_caches,
+                self.kv_transport,
+                self.kv_address,
+                shm_paths[0] if shm_paths else None,
+                layout,
+                accepting=lambda rid: rid in sched.remote_waiting or rid in sched.quarantine,
+            )
+            endpoint = self.receiver.endpoint()
         self.send(
             WorkerInfo(
                 worker_id=self.worker_id,
                 role=self.role,
                 model=self.args.model,
-                max_model_len=self.core.max_model_len,
-                vocab_size=self.core.model_config.vocab_size,
+                max_model_len=core.max_model_len,
+                vocab_size=mc.vocab_size,
                 num_kv_blocks=runner.num_blocks,
                 block_size=runner.block_size,
                 kv_bytes_per_block=runner.kv_bytes_per_block,
-                dtype=str(runner.dtype).removeprefix("torch."),
+                dtype=dtype,
                 pid=os.getpid(),
+                layout=layout,
+                kv_endpoint=endpoint,
             )
         )
 
+    # ---- control messages ----------------------------------------------------------------
     def handle(self, msg) -> list[EngineCoreOutput]:
-        """Apply one control message; returns outputs to report (rejections, aborts)."""
+        """Apply one control message; returns outputs to report (rejections)."""
         core = self.core
+        sched = core.scheduler
         if isinstance(msg, AddRequest):
             try:
                 req = core.make_request(msg.request_id, msg.prompt_token_ids, msg.params)
                 if msg.queue_timeout_s is not None:
                     req.queue_deadline = req.arrival_time + msg.queue_timeout_s
+                req.kv_role = msg.kv_role
+                if msg.kv_role == "send":
+                    if self.sender is None:
+                        raise ValueError(f"worker {self.worker_id} ({self.role}) cannot send KV")
+                    req.kv_dest = msg.kv_dest
+                    self.sender.add_request(req.request_id, msg.kv_dest)
                 core.add_request(req)
             except ValueError as e:
                 return [EngineCoreOutput(msg.request_id, [], finish_reason="abort", error=str(e))]
@@ -91,20 +165,60 @@ class Worker:
             if msg.reason == "stop":
                 core.stop_requests(msg.request_ids)
             else:
-                core.abort_requests(msg.request_ids)
+                sched.finish_requests(
+                    msg.request_ids, RequestStatus.FINISHED_ABORTED, release_kv=msg.release_kv
+                )
+                if self.sender is not None:
+                    for rid in msg.request_ids:
+                        self.sender.abort(rid)
+        elif isinstance(msg, ResumeLocally):
+            sched.resume_locally(msg.request_id, msg.output_token_ids, msg.release_kv)
+        elif isinstance(msg, ReleaseKV):
+            sched.release_quarantine(msg.request_ids)
+        elif isinstance(msg, PeerInfo):
+            if self.sender is not None:
+                self.sender.add_peer(msg.endpoint)
         elif isinstance(msg, Shutdown):
             self.running = False
         return []
 
     def drain(self, timeout_ms: int) -> tuple[list[EngineCoreOutput], bool]:
-        """Apply every pending control message; returns their outputs and whether any came."""
+        """Apply pending control messages and KV signals; returns outputs and whether any came."""
         outputs: list[EngineCoreOutput] = []
         got = False
-        while self.running and self.in_sock.poll(timeout_ms):
-            outputs += self.handle(self.decode(self.in_sock.recv(copy=False).buffer))
-            got = True
+        poller = zmq.Poller()
+        poller.register(self.in_sock, zmq.POLLIN)
+        if self.receiver is not None:
+            poller.register(self.receiver.sock, zmq.POLLIN)
+        while self.running and poller.poll(timeout_ms):
             timeout_ms = 0
+            while self.running and self.in_sock.poll(0):
+                outputs += self.handle(self.decode(self.in_sock.recv(copy=False).buffer))
+                got = True
+            if self.receiver is not None:
+                outs, changed = self._poll_kv()
+                outputs += outs
+                got = got or changed
         return outputs, got
+
+    def _poll_kv(self) -> tuple[list[EngineCoreOutput], bool]:
+        sched = self.core.scheduler
+        done, aborted = self.receiver.poll()
+        outputs = []
+        for msg in done:
+            if msg.request_id in sched.remote_waiting:
+                out = sched.finish_remote_kv(msg.request_id, msg.first_token)
+                self.kv_received.append(msg.request_id)
+                if out is not None:
+                    outputs.append(out)
+        # The prefill worker gave the request up (it ended there, or the frontend aborted it):
+        # it will not write again, so nothing here waits for it.
+        sched.finish_requests(
+            [m.request_id for m in aborted if m.request_id in sched.remote_waiting],
+            RequestStatus.FINISHED_ABORTED,
+        )
+        sched.release_quarantine([m.request_id for m in done] + [m.request_id for m in aborted])
+        return outputs, bool(done or aborted)
 
     def expire(self) -> list[EngineCoreOutput]:
         return [
@@ -117,49 +231,117 @@ class Worker:
             for r in self.core.scheduler.expire_waiting(time.perf_counter())
         ]
 
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> tuple[list[EngineCoreOutput], list[StepStatsMsg]]:
+        core = self.core
+        sched = core.scheduler
+        if self.sender is not None:
+            plan = sched.schedule()
+            if plan.is_empty:
+                return [], []
+            self.sender.begin_step(plan, core.kv.req_block_ids)
+            outputs = core.execute(plan)
+            for req in sched.handed_off:  # flush their KV, then hand them to the decode worker
+                res = self.sender.finish(req.request_id, req.output_token_ids[0])
+                if res is not None:
+                    self.transfers.append(TransferStat(req.request_id, *res))
+            sched.handed_off.clear()
+            for out in outputs:  # ended on the prefill worker (EOS, stop, length): no handoff
+                if out.finish_reason is not None:
+                    self.sender.abort(out.request_id)
+        else:
+            prev = core.last_step
+            outputs = core.step()
+            if core.last_step is prev:
+                return outputs, []
+        s = core.last_step
+        return outputs, [
+            StepStatsMsg(
+                s.phase, s.step_time_s, s.num_prefill_tokens, s.num_decode_seqs, s.mfu, s.mbu
+            )
+        ]
+
     def loop(self) -> None:
         core = self.core
+        parent = os.getppid()
         while self.running:
-            outputs, changed = self.drain(0 if core.has_unfinished else IDLE_POLL_MS)
+            if os.getppid() != parent:  # the frontend is gone (even killed): do not linger
+                logger.warning("frontend exited; worker %d stops", self.worker_id)
+                break
+            busy = core.has_unfinished and (core.scheduler.running or core.scheduler.waiting)
+            outputs, changed = self.drain(0 if busy else IDLE_POLL_MS)
             if not self.running:
                 break
             outputs += self.expire()
             steps = []
             if core.has_unfinished:
-                prev = core.last_step
-                outputs += core.step()
-                s = core.last_step
-                if s is not None and s is not prev:
-                    steps.append(
-                        StepStatsMsg(
-                            s.phase,
-                            s.step_time_s,
-                            s.num_prefill_tokens,
-                            s.num_decode_seqs,
-                            s.mfu,
-                            s.mbu,
-                        )
-                    )
-            if outputs or steps or changed:  # the frontend's gauges follow every change
-                st = core.scheduler.stats()
-                state = WorkerState(
-                    st.num_running,
-                    st.num_waiting,
-                    st.kv_usage,
-                    st.num_preemptions,
-                    st.prefix_queries,
-                    st.prefix_hits,
+                outs, steps = self.step()
+                outputs += outs
+            sched = core.scheduler
+            reservations = [
+                KVReservation(
+                    r.request_id, list(core.kv.block_ids(r.request_id)), r.num_cached_tokens
                 )
-                self.send(StepOutputs(self.worker_id, outputs, steps, state))
+                for r in sched.new_reservations
+            ]
+            sched.new_reservations.clear()
+            if outputs or steps or changed or reservations or self.kv_received or self.transfers:
+                self.send(
+                    StepOutputs(
+                        self.worker_id,
+                        outputs,
+                        steps,
+                        self._state(),
+                        reservations,
+                        self.kv_received,
+                        self.transfers,
+                        self.sender.exposed_s if self.sender is not None else 0.0,
+                    )
+                )
+                self.kv_received, self.transfers = [], []
+
+    def _state(self) -> WorkerState:
+        sched = self.core.scheduler
+        st = sched.stats()
+        queued = sum(
+            r.num_tokens - r.num_computed_tokens
+            for r in (*sched.waiting, *sched.running)
+            if r.num_output_tokens == 0
+        )
+        return WorkerState(
+            st.num_running,
+            st.num_waiting + len(sched.remote_waiting),
+            st.kv_usage,
+            st.num_preemptions,
+            st.prefix_queries,
+            st.prefix_hits,
+            self.core.kv.num_free_blocks(),
+            queued,
+        )
 
     def close(self) -> None:
         if self.core is not None:
             # End every request: blocks back to the pool before the process goes.
-            ids = list(self.core.scheduler.requests)
-            self.core.abort_requests(ids)
+            self.core.abort_requests(list(self.core.scheduler.requests))
+        if self.receiver is not None:
+            self.receiver.close()
         self.in_sock.close()
         self.out_sock.close()
         self.ctx.term()
+
+
+def pin_cpus(cpus: str | None) -> None:
+    """Restrict this process to a CPU set ("0", "0-3", "0,2") and match torch's threads to it."""
+    if not cpus:
+        return
+    ids: set[int] = set()
+    for part in cpus.split(","):
+        lo, _, hi = part.partition("-")
+        ids.update(range(int(lo), int(hi or lo) + 1))
+    os.sched_setaffinity(0, ids)
+    import torch
+
+    torch.set_num_threads(len(ids))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,12 +351,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", required=True)
     p.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
     p.add_argument("--worker-id", type=int, default=0)
+    p.add_argument("--kv-transport", default="shm", choices=["shm", "tcp"])
+    p.add_argument("--kv-address", help="decode role: where to bind the KV channel")
+    p.add_argument("--cpus", help="CPU set to pin this worker to, e.g. 0 or 2-3")
     a = p.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s worker{a.worker_id} %(levelname)s %(message)s"
     )
+    pin_cpus(a.cpus)
     args = msgspec.json.decode(a.engine_args, type=EngineArgs)
-    worker = Worker(args, a.input, a.output, a.role, a.worker_id)
+    worker = Worker(args, a.input, a.output, a.role, a.worker_id, a.kv_transport, a.kv_address)
+    # The frontend coordinates shutdown: a terminal's Ctrl-C reaches the whole process group,
+    # so ignore it here; SIGTERM stops the loop cleanly.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "running", False))
     try:
         worker.start()
         worker.loop()

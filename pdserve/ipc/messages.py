@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pdserve.disagg.protocol import KVDest, KVLayout, PeerEndpoint
 from pdserve.types import EngineCoreOutput, SamplingParams
 
 
@@ -17,18 +18,46 @@ class AddRequest(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     queue_timeout_s: float | None = None
+    # Disaggregation: "receive" (decode worker: reserve blocks, wait for the KV) or "send"
+    # (prefill worker: compute the prompt and ship its KV to `kv_dest`).
+    kv_role: str | None = None
+    kv_dest: KVDest | None = None
 
 
 class FinishRequests(msgspec.Struct, tag=True):
     request_ids: list[str]
     reason: str = "abort"  # "abort" (client gone, error) | "stop" (stop string matched)
+    # Decode worker: False while a prefill worker may still write into the request's blocks
+    # (they are then held until it confirms); True when it never got the request or is dead.
+    release_kv: bool = True
+
+
+class ResumeLocally(msgspec.Struct, tag=True):
+    """Decode worker: stop waiting for remote KV and compute the prompt here, continuing after
+    the tokens the client already received."""
+
+    request_id: str
+    output_token_ids: list[int]
+    release_kv: bool = False
+
+
+class ReleaseKV(msgspec.Struct, tag=True):
+    """Decode worker: the prefill worker of these requests is dead; free their held blocks."""
+
+    request_ids: list[str]
+
+
+class PeerInfo(msgspec.Struct, tag=True):
+    """Prefill worker: how to reach a decode worker's KV cache (sent again after a restart)."""
+
+    endpoint: PeerEndpoint
 
 
 class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-ToWorker = AddRequest | FinishRequests | Shutdown
+ToWorker = AddRequest | FinishRequests | ResumeLocally | ReleaseKV | PeerInfo | Shutdown
 
 
 class WorkerInfo(msgspec.Struct, tag=True):
@@ -44,6 +73,8 @@ class WorkerInfo(msgspec.Struct, tag=True):
     kv_bytes_per_block: int
     dtype: str
     pid: int
+    layout: KVLayout
+    kv_endpoint: PeerEndpoint | None = None  # decode role: where prefill workers send KV
 
 
 class StepStatsMsg(msgspec.Struct, array_like=True):
@@ -62,6 +93,20 @@ class WorkerState(msgspec.Struct, array_like=True):
     num_preemptions: int
     prefix_queries: int
     prefix_hits: int
+    num_free_blocks: int = 0
+    queued_prefill_tokens: int = 0  # prompt tokens not yet computed (router load signal)
+
+
+class KVReservation(msgspec.Struct, array_like=True):
+    request_id: str
+    block_ids: list[int]
+    num_cached_tokens: int
+
+
+class TransferStat(msgspec.Struct, array_like=True):
+    request_id: str
+    num_bytes: int
+    seconds: float
 
 
 class StepOutputs(msgspec.Struct, tag=True):
@@ -69,6 +114,10 @@ class StepOutputs(msgspec.Struct, tag=True):
     outputs: list[EngineCoreOutput]
     steps: list[StepStatsMsg]  # the steps since the last message
     state: WorkerState
+    reservations: list[KVReservation] = []  # decode role: blocks held for remote KV
+    kv_received: list[str] = []  # decode role: requests whose remote KV arrived
+    transfers: list[TransferStat] = []  # prefill role: KV sent for handed-off requests
+    kv_exposed_s: float = 0.0  # prefill role: cumulative time steps waited on KV transfers
 
 
 class WorkerError(msgspec.Struct, tag=True):

@@ -70,10 +70,16 @@ class KVCacheManager:
         return hits, num_hit_tokens
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVBlock] = (),
+        publish: bool = True,
     ) -> bool:
         """Make room for `num_new_tokens` more tokens after `num_computed_tokens` (and after any
-        cache hits in `new_computed_blocks`). Returns False, changing nothing, if the pool is short."""
+        cache hits in `new_computed_blocks`). Returns False, changing nothing, if the pool is short.
+        `publish=False` keeps the new blocks out of the prefix cache until `publish_blocks`: for
+        blocks reserved for KV that another worker will send."""
         rid = request.request_id
         blocks = self.req_blocks.get(rid)
         if blocks is None:
@@ -96,9 +102,14 @@ class KVCacheManager:
             new_blocks = self.pool.allocate(num_needed)
             blocks.extend(new_blocks)
             block_ids.extend(b.block_id for b in new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and publish:
             self._cache_full_blocks(request, blocks, total)
         return True
+
+    def publish_blocks(self, request: Request, num_tokens: int) -> None:
+        """Publish the full blocks within the first `num_tokens` tokens (their KV is now valid)."""
+        if self.enable_caching:
+            self._cache_full_blocks(request, self.req_blocks[request.request_id], num_tokens)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
         rid = request.request_id
@@ -119,6 +130,14 @@ class KVCacheManager:
         self.req_num_cached_blocks.pop(rid, None)
         if blocks:
             self.pool.free(reversed(blocks))
+
+    def detach(self, request: Request) -> list[KVBlock]:
+        """Take a request's blocks out of its hands without freeing them (the caller frees them
+        later with `pool.free`): for blocks another process may still be writing into."""
+        rid = request.request_id
+        self.req_block_ids.pop(rid, None)
+        self.req_num_cached_blocks.pop(rid, None)
+        return self.req_blocks.pop(rid, [])
 
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks

@@ -50,7 +50,10 @@ class ModelRunner:
         dtype: str = "auto",
         max_model_len: int | None = None,
         seed: int = 0,
+        kv_cache_factory=None,
     ) -> None:
+        """`kv_cache_factory(shape, dtype)` allocates the KV cache (default: zeros in this
+        process; disaggregated decode workers put it in shared memory)."""
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -59,17 +62,18 @@ class ModelRunner:
         torch.manual_seed(seed)
         self.model = load_model(model_config, self.device, self.dtype, self.max_model_len)
         self.num_blocks = self._num_blocks(cache_config)
-        self.kv_caches = [
-            torch.zeros(
-                2,
-                self.num_blocks * self.block_size,
-                model_config.num_kv_heads,
-                model_config.head_dim,
-                dtype=self.dtype,
-                device=self.device,
-            )
-            for _ in range(model_config.num_layers)
-        ]
+        shape = (
+            model_config.num_layers,
+            2,
+            self.num_blocks * self.block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+        )
+        if kv_cache_factory is None:
+            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        else:
+            cache = kv_cache_factory(shape, self.dtype)
+        self.kv_caches = list(cache.unbind(0))  # per layer [2, num_slots, Hkv, D]
         self.sampler = Sampler(model_config.eos_token_ids)
 
     @property
@@ -89,6 +93,11 @@ class ModelRunner:
             )
         # More blocks than every sequence of max length could use is wasted memory.
         return int(n)
+
+    def add_layer_hook(self, fn) -> None:
+        """Call `fn(layer_index)` after each decoder layer's forward (its KV is then written)."""
+        for i, layer in enumerate(self.model.layers):
+            layer.register_forward_hook(lambda _m, _i, _o, i=i: fn(i))
 
     # ---- inputs --------------------------------------------------------------------------
     def _slots(self, block_ids: list[int], start: int, end: int) -> np.ndarray:

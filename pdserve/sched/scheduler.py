@@ -64,6 +64,15 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Disaggregation (decode role): requests holding blocks while their KV arrives, the
+        # reservations made this step, and requests whose KV arrived this step.
+        self.remote_waiting: dict[str, Request] = {}
+        self.new_reservations: list[Request] = []
+        # Blocks of remote requests that ended before their sender was done writing into them:
+        # held until the sender confirms it stopped (or is known dead), never reused before.
+        self.quarantine: dict[str, list] = {}
+        # Prefill role: requests handed off this step (their KV must be flushed to the peer).
+        self.handed_off: list[Request] = []
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -85,8 +94,11 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """End requests from outside the step (abort, stop string): blocks are returned at once."""
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus, release_kv: bool = True
+    ) -> list[Request]:
+        """End requests from outside the step (abort, stop string): blocks are returned at once,
+        except those a prefill worker may still be writing into when `release_kv` is False."""
         ended = []
         for rid in request_ids:
             request = self.requests.get(rid)
@@ -94,11 +106,22 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                del self.remote_waiting[rid]
+                if not release_kv:
+                    self.quarantine[rid] = self.kv.detach(request)
             else:
                 self.waiting.remove(request)
             self._finish(request, status)
             ended.append(request)
         return ended
+
+    def release_quarantine(self, request_ids: Iterable[str]) -> None:
+        """The sender of these requests' KV stopped writing: their held blocks go back."""
+        for rid in request_ids:
+            blocks = self.quarantine.pop(rid, None)
+            if blocks:
+                self.kv.pool.free(reversed(blocks))
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
@@ -153,9 +176,13 @@ class Scheduler:
             self.waiting
             and budget > 0
             and not out.num_preempted
-            and len(self.running) < self.config.max_num_seqs
+            and len(self.running) + len(self.remote_waiting) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            if request.kv_role == "receive":
+                if not self._reserve_for_remote(request, now):
+                    break
+                continue
             hits, num_hit_tokens = [], 0
             if request.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -179,6 +206,73 @@ class Scheduler:
             self._add(out, request, num_new)
             budget -= num_new
         return out
+
+    def _reserve_for_remote(self, request: Request, now: float) -> bool:
+        """Decode role: hold blocks for the whole prompt (after any local prefix hit) until its
+        KV arrives from a prefill worker. The blocks join the prefix cache only once it has."""
+        hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+        num_new = request.num_tokens - num_hit_tokens
+        if not self.kv.allocate_slots(request, num_new, hits, publish=False):
+            return False
+        self.waiting.popleft()
+        request.num_computed_tokens = num_hit_tokens
+        request.num_cached_tokens = num_hit_tokens
+        request.metrics.num_cached_tokens = num_hit_tokens
+        request.metrics.scheduled_time = now
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.remote_waiting[request.request_id] = request
+        self.new_reservations.append(request)
+        return True
+
+    def finish_remote_kv(self, request_id: str, first_token: int) -> EngineCoreOutput | None:
+        """Decode role: the prompt's KV and first token arrived; the request decodes on. Returns
+        an output only if the first token already ends it (EOS, stop token, max_tokens)."""
+        request = self.remote_waiting.pop(request_id, None)
+        if request is None:
+            return None
+        request.num_computed_tokens = request.num_tokens
+        self.kv.publish_blocks(request, request.num_tokens)
+        request.append_output_token(first_token)
+        now = time.perf_counter()
+        request.metrics.first_token_time = now
+        request.metrics.token_times.append(now)
+        request.kv_role = None
+        status = self._check_stop(request, first_token)
+        if status is not None:
+            self._finish(request, status)
+            return EngineCoreOutput(
+                request_id, [], finish_reason=status.finish_reason, stop_reason=request.stop_reason
+            )
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return None
+
+    def resume_locally(
+        self, request_id: str, output_token_ids: list[int], release_kv: bool = True
+    ) -> bool:
+        """Decode role: give up on the remote KV (timeout, dead prefill worker) and compute the
+        prompt here, continuing after the tokens the client already has."""
+        request = self.remote_waiting.pop(request_id, None)
+        if request is None:
+            queued = self.requests.get(request_id)
+            if queued is not None and queued.kv_role == "receive":  # no blocks reserved yet
+                queued.kv_role = None
+                for t in output_token_ids:
+                    queued.append_output_token(t)
+                return True
+            return False
+        if release_kv:
+            self.kv.free(request)
+        else:
+            self.quarantine[request_id] = self.kv.detach(request)
+        for t in output_token_ids:
+            request.append_output_token(t)
+        request.num_computed_tokens = 0
+        request.num_cached_tokens = -1
+        request.kv_role = None
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        return True
 
     def _add(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         sample = request.num_computed_tokens + num_new == request.num_tokens
@@ -228,6 +322,9 @@ class Scheduler:
                 out.num_cached_tokens = max(request.num_cached_tokens, 0)
             out.num_preemptions = m.num_preemptions
             status = self._check_stop(request, token)
+            if status is None and request.kv_role == "send":
+                status = RequestStatus.FINISHED_REMOTE  # the decode worker takes it from here
+                self.handed_off.append(request)
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)

@@ -22,9 +22,15 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pdserve
-from pdserve.config import EngineArgs, ServerConfig
+from pdserve.config import DisaggConfig, EngineArgs, ServerConfig, worker_specs
 from pdserve.server import openai_format as fmt
-from pdserve.server.engine_client import EngineClient, EngineDeadError, RequestRejected
+from pdserve.server.engine_client import (
+    DisaggOptions,
+    EngineClient,
+    EngineDeadError,
+    RequestRejected,
+    WorkerSpec,
+)
 from pdserve.server.errors import (
     APIError,
     api_error_handler,
@@ -41,18 +47,30 @@ from pdserve.types import RequestOutput, SamplingParams
 
 
 class ServerState:
-    def __init__(self, engine_args: EngineArgs, config: ServerConfig, tokenizer) -> None:
+    def __init__(
+        self, engine_args: EngineArgs, config: ServerConfig, tokenizer, disagg: DisaggConfig
+    ) -> None:
         self.engine_args = engine_args
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = config.served_model_name or engine_args.model
         self.metrics = ServerMetrics()
+        specs = [
+            WorkerSpec(role, args, cpus) for role, args, cpus in worker_specs(engine_args, disagg)
+        ]
         self.client = EngineClient(
-            engine_args,
+            specs,
             tokenizer,
             queue_timeout_s=config.queue_timeout_s,
-            on_step=self.metrics.on_step,
-            on_finish=self.metrics.on_finish,
+            disagg=DisaggOptions(
+                kv_transport=disagg.kv_transport,
+                kv_host=disagg.kv_host,
+                kv_transfer_timeout_s=disagg.kv_transfer_timeout_s,
+                min_prompt_tokens=disagg.min_prompt_tokens,
+                on_prefill_failure=disagg.on_prefill_failure,
+            ),
+            restart_workers=disagg.restart_workers,
+            metrics=self.metrics,
         )
         self.chat_template = (
             Path(config.chat_template).read_text() if config.chat_template else None
@@ -337,12 +355,17 @@ class _BodyTooLarge(Exception):
     pass
 
 
-def build_app(engine_args: EngineArgs, config: ServerConfig, tokenizer=None) -> FastAPI:
+def build_app(
+    engine_args: EngineArgs,
+    config: ServerConfig,
+    tokenizer=None,
+    disagg: DisaggConfig | None = None,
+) -> FastAPI:
     if tokenizer is None:
         from pdserve.engine.llm_engine import load_tokenizer
 
         tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model)
-    state = ServerState(engine_args, config, tokenizer)
+    state = ServerState(engine_args, config, tokenizer, disagg or DisaggConfig())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -367,15 +390,17 @@ def build_app(engine_args: EngineArgs, config: ServerConfig, tokenizer=None) -> 
 
     @app.get("/health")
     async def health():
-        if not state.client.healthy:
-            return error_response(503, f"unhealthy: {state.client.dead_reason}")
-        return {
-            "status": "ok",
-            "workers": [
-                {"id": w.worker_id, "role": w.role, "alive": w.alive, "pid": w.proc.pid}
-                for w in state.client.workers
-            ],
-        }
+        client = state.client
+        workers = [
+            {"id": w.worker_id, "role": w.role, "alive": w.alive, "pid": w.proc.pid}
+            for w in client.workers
+        ]
+        if not client.healthy:
+            return JSONResponse(
+                {**error_body(503, f"unhealthy: {client.dead_reason}"), "workers": workers},
+                status_code=503,
+            )
+        return {"status": "degraded" if client.degraded else "ok", "workers": workers}
 
     @app.get("/version")
     async def version():

@@ -94,6 +94,31 @@ class ServerMetrics:
             (*LABELS, "phase"),
             registry=r,
         )
+        self.router_decisions = Counter(
+            "pdserve_router_decisions",
+            "where prompts were prefilled (remote = a prefill worker)",
+            ("decision",),
+            registry=r,
+        )
+        self.kv_fallbacks = Counter(
+            "pdserve_kv_transfer_fallbacks",
+            "remote prefills given up for local recompute",
+            ("reason",),
+            registry=r,
+        )
+        self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes sent", LABELS, registry=r)
+        self.kv_seconds = hist(
+            "kv_transfer_seconds", "first layer sent -> KV complete, per request"
+        )
+        self.kv_gbps = Gauge(
+            "pdserve_kv_transfer_gbps", "GB/s of the last KV transfer", LABELS, registry=r
+        )
+        self.kv_exposed = Gauge(
+            "pdserve_kv_transfer_exposed_seconds",
+            "cumulative time prefill steps waited for KV transfers",
+            LABELS,
+            registry=r,
+        )
         self.worker_up = Gauge(
             "pdserve_worker_up", "1 while the worker process lives", LABELS, registry=r
         )
@@ -106,6 +131,13 @@ class ServerMetrics:
                 self.mfu.labels(*lab, s.phase).set(s.mfu)
             if s.mbu is not None:
                 self.mbu.labels(*lab, s.phase).set(s.mbu)
+        for t in msg.transfers:
+            self.kv_bytes.labels(*lab).inc(t.num_bytes)
+            self.kv_seconds.labels(*lab).observe(t.seconds)
+            if t.seconds > 0:
+                self.kv_gbps.labels(*lab).set(t.num_bytes / t.seconds / 1e9)
+        if worker.role == "prefill":
+            self.kv_exposed.labels(*lab).set(msg.kv_exposed_s)
         st = msg.state
         self.running.labels(*lab).set(st.num_running)
         self.waiting.labels(*lab).set(st.num_waiting)

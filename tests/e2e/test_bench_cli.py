@@ -133,7 +133,7 @@ def test_a_trace_replays_with_scaled_lengths(server, tmp_path):
     out = tmp_path / "run.json"
     argv = ["bench", "--base-url", server.url, "--trace", str(trace), "--length-scale", "0.05",
             "--max-output-len", "5", "--output", str(out)]  # fmt: skip
-    main(argv)
+    assert main(argv) == 0
     requests = json.loads(out.read_text())["requests"]
     assert [(r["input_len"], r["output_len"]) for r in requests] == [(100, 5)] * 4
     assert [r["t_scheduled"] for r in requests] == pytest.approx([0.0, 0.01, 0.02, 0.03])

@@ -134,6 +134,8 @@ def test_model_and_tokenizer_are_resolved_from_v1_models(tmp_path):
     with FakeServer(config) as server:
         assert resolve_target(server.url, None, None, None) == ("org/model", str(tmp_path))
         assert resolve_target(server.url, "x", "/tok", None) == ("x", "/tok")
-    with FakeServer(FakeServerConfig(model="org/model")) as server:
-        with pytest.raises(BenchError, match="pass --tokenizer"):
-            resolve_target(server.url, None, None, None)
+    with (
+        FakeServer(FakeServerConfig(model="org/model")) as server,
+        pytest.raises(BenchError, match="pass --tokenizer"),
+    ):
+        resolve_target(server.url, None, None, None)

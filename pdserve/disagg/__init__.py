@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: KV layout handshake, KV transports and the router."""

@@ -1,0 +1,76 @@
+"""What prefill and decode workers agree on, and what travels between them (no torch here).
+
+- `KVLayout`: the shape of one worker's KV cache. Workers exchange it before the first transfer
+  (through the frontend at startup, and again in `PeerInfo`); any difference is a startup error.
+- `KVDest`: where a prefill worker writes one request's KV (the decode worker's reserved blocks).
+- On the KV channel (prefill -> decode, ordered): `KVLayerHeader` (+ slot and data frames, TCP
+  transport only), then exactly one `KVDone` (with the first token) or `KVAborted` per request.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class KVLayout(msgspec.Struct, frozen=True):
+    model: str  # the model's identity: architecture and shapes (see `model_identity`)
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    def mismatch(self, other: KVLayout) -> str | None:
+        """A sentence naming every field that differs, or None when the layouts agree."""
+        diffs = [
+            f"{name} {getattr(self, name)!r} != {getattr(other, name)!r}"
+            for name in self.__struct_fields__
+            if getattr(self, name) != getattr(other, name)
+        ]
+        return "; ".join(diffs) if diffs else None
+
+
+def model_identity(model_config) -> str:
+    c = model_config
+    return (
+        f"{c.architecture}(vocab={c.vocab_size},hidden={c.hidden_size},layers={c.num_layers},"
+        f"heads={c.num_heads},kv_heads={c.num_kv_heads},inter={c.intermediate_size})"
+    )
+
+
+class KVDest(msgspec.Struct, frozen=True):
+    worker_id: int  # the decode worker
+    block_ids: list[int]  # its blocks for the request, in order
+    num_cached_tokens: int  # leading tokens it already holds: send only the rest
+
+
+class PeerEndpoint(msgspec.Struct, frozen=True):
+    """How a prefill worker reaches one decode worker's KV cache."""
+
+    worker_id: int
+    kv_address: str  # ZMQ address of the decode worker's KV channel
+    transport: str  # "shm" | "tcp"
+    shm_path: str | None  # shm: the file that holds the decode worker's cache
+    layout: KVLayout
+
+
+class KVLayerHeader(msgspec.Struct, tag=True):
+    request_id: str
+    layer: int
+    num_tokens: int
+
+
+class KVDone(msgspec.Struct, tag=True):
+    request_id: str
+    first_token: int
+    sender_id: int
+    num_bytes: int
+    transfer_s: float
+
+
+class KVAborted(msgspec.Struct, tag=True):
+    request_id: str
+    sender_id: int
+
+
+KVControl = KVLayerHeader | KVDone | KVAborted
