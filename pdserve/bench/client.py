@@ -330,7 +330,7 @@ def _fail(record: RequestRecord, now: float, kind: str, detail: str) -> None:
     record.status = FAILED
     record.t_end = now
     record.error = kind
-    record.error_detail = detail.strip()[:_DETAIL_CHARS]
+    record.error_detail = " ".join(detail.split())[:_DETAIL_CHARS]  # one line
 
 
 class _StreamState:
@@ -368,6 +368,11 @@ class _StreamState:
         if isinstance(usage, dict):
             record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
             record.completion_tokens = usage.get("completion_tokens", record.completion_tokens)
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict):  # OpenAI's field for prefix-cache hits
+                record.cached_tokens = details.get("cached_tokens", record.cached_tokens)
+        if isinstance(chunk.get("timings"), dict):  # pdserve's server-side phase timings
+            record.server_timings = chunk["timings"]
         has_text = False
         for choice in chunk.get("choices") or []:
             has_text = has_text or bool(self._text(choice))

@@ -42,6 +42,7 @@ class FakeServer:
         self.host = host
         self.port = 0
         self.bodies: list[dict] = []  # every POST body received, in arrival order
+        self.num_finished = 0  # streams sent to the end
         self._loop = asyncio.new_event_loop()
         self._thread: threading.Thread | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -172,6 +173,7 @@ class FakeServer:
             await _send_event(writer, {"choices": [], "usage": usage})
         writer.write(_http_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         await writer.drain()
+        self.num_finished += 1
         return True
 
 

@@ -40,6 +40,8 @@ class RequestRecord:
     error_detail: str | None = None
     prompt_tokens: int | None = None  # from the server's `usage`, when it sent one
     completion_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when sent
+    server_timings: dict | None = None  # the server's own `timings` (pdserve), when sent
 
     @property
     def num_input_tokens(self) -> int:

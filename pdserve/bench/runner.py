@@ -1,19 +1,21 @@
 """One benchmark end to end: prompts from the tokenizer, requests sent, records summarized.
 
 A `BenchPlan` is everything the flags decide except the server; `bench_target` carries it out
-against one server (one run, or one per rate of a sweep), which is also what a comparison does
-for each deployment. `run_once` sends one set of requests with a progress bar, stoppable by
+against one server (a probe request, then one run, or one per rate of a sweep), which is also
+what a comparison does for each deployment. `run_once` sends one set of requests with a progress bar, stoppable by
 Ctrl-C, and returns a `RunResult`: per-request records, their summary, and whether it was cut.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from pdserve.bench.client import ClientConfig, resolve_target, run_requests
-from pdserve.bench.metrics import RequestRecord, Slo, summarize
+from pdserve.bench.errors import BenchError
+from pdserve.bench.metrics import COMPLETED, RequestRecord, Slo, summarize
 from pdserve.bench.progress import Interrupt, Progress
 from pdserve.bench.sweep import format_rate
 from pdserve.bench.tokenizer import HFPromptTokenizer, load_tokenizer
@@ -24,6 +26,8 @@ from pdserve.bench.workload import (
     build_prompts,
     with_rate,
 )
+
+PROBE_INPUT_LEN = 32  # tokens in the probe request's prompt
 
 
 @dataclass(frozen=True)
@@ -111,18 +115,24 @@ def bench_target(
     `prompt_cache` maps a tokenizer folder to its prompts, so that deployments of one model
     in a comparison get the very same requests without rebuilding them.
     """
-    model, tokenizer = resolve_target(base_url, model, tokenizer, plan.api_key)
-    cache = {} if prompt_cache is None else prompt_cache
-    key = (tokenizer, plan.endpoint)
-    if key not in cache:
-        cache[key] = prepare_requests(
-            plan.specs, tokenizer, plan.endpoint, plan.workload.seed, plan.workload.block_tokens
-        )
-    requests = cache[key]
+    model, tokenizer_path = resolve_target(base_url, model, tokenizer, plan.api_key)
     client = ClientConfig(
         base_url, model, plan.endpoint, plan.api_key, plan.temperature,
         plan.force_output_len, plan.extra_body, plan.timeout_s,
     )  # fmt: skip
+    cache = {} if prompt_cache is None else prompt_cache
+    prompt_tokenizer = cache.get((tokenizer_path, plan.endpoint))
+    if prompt_tokenizer is None:
+        chat = plan.endpoint == "chat"
+        prompt_tokenizer = HFPromptTokenizer(load_tokenizer(tokenizer_path), chat)
+        cache[(tokenizer_path, plan.endpoint)] = prompt_tokenizer
+    offset = probe_prompt_offset(client, prompt_tokenizer)
+    key = (tokenizer_path, plan.endpoint, offset)
+    if key not in cache:
+        prompt_tokenizer.offset = offset
+        seed, block_tokens = plan.workload.seed, plan.workload.block_tokens
+        cache[key] = build_prompts(plan.specs, prompt_tokenizer, seed, block_tokens)
+    requests = cache[key]
     if plan.sweep_rates:
         runs = run_sweep(
             requests, plan.sweep_rates, client, plan.slo, interrupt, plan.workload.burstiness,
@@ -134,15 +144,32 @@ def bench_target(
             show_progress=plan.show_progress, request_rate=plan.workload.request_rate,
         )  # fmt: skip
         runs = [one]
-    return TargetResult(base_url, model, tokenizer, runs, sweep=bool(plan.sweep_rates))
+    return TargetResult(base_url, model, tokenizer_path, runs, sweep=bool(plan.sweep_rates))
 
 
-def prepare_requests(
-    specs: Sequence[RequestSpec], tokenizer_path: str, endpoint: str, seed: int, block_tokens: int
-) -> list[BenchRequest]:
-    """Prompts for `specs`, sized with the tokenizer at `tokenizer_path` for `endpoint`."""
-    tokenizer = HFPromptTokenizer(load_tokenizer(tokenizer_path), chat=endpoint == "chat")
-    return build_prompts(specs, tokenizer, seed, block_tokens)
+def probe_prompt_offset(client: ClientConfig, tokenizer: HFPromptTokenizer) -> int:
+    """Send one short request before the run: it checks that the server accepts the requests
+    (a failure is a one-line `BenchError`), warms the server up, and returns how many more prompt
+    tokens the server counts than the tokenizer does (a BOS added to chat prompts, say), so that
+    prompts can be sized for the server's count. 0 when the server sends no `usage`."""
+    tokenizer.offset = 0
+    probe = build_prompts([RequestSpec(0, 0.0, PROBE_INPUT_LEN, 1)], tokenizer)[0]
+    (record,) = asyncio.run(run_requests([probe], client))
+    if record.status != COMPLETED:
+        raise BenchError(
+            f"a probe request to {client.url} failed ({record.error}: {record.error_detail}); "
+            "check --model, --endpoint and --no-force-output-len"
+        )
+    if record.prompt_tokens is None:
+        return 0
+    offset = record.prompt_tokens - probe.prompt_len
+    if offset:
+        print(
+            f"note: the server counts {offset:+d} prompt tokens against the tokenizer "
+            "(special or template tokens); prompts are sized for the server's count",
+            file=sys.stderr,
+        )
+    return offset
 
 
 def run_once(

@@ -37,6 +37,7 @@ class HFPromptTokenizer:
     def __init__(self, tokenizer: Any, chat: bool = False) -> None:
         self.tokenizer = tokenizer
         self.chat = chat
+        self.offset = 0  # added to every count: what the server counts beyond the tokenizer
         if chat and not getattr(tokenizer, "chat_template", None):
             raise BenchError(
                 "the tokenizer has no chat template: use --endpoint completions or pass "
@@ -52,7 +53,7 @@ class HFPromptTokenizer:
             ids = self.tokenizer(texts, add_special_tokens=False, verbose=False).input_ids
         else:
             ids = self.tokenizer(prompts, add_special_tokens=True, verbose=False).input_ids
-        return [len(x) for x in ids]
+        return [len(x) + self.offset for x in ids]
 
     def _chat_text(self, prompt: str) -> str:
         return self.tokenizer.apply_chat_template(

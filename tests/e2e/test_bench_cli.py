@@ -137,7 +137,7 @@ def test_a_trace_replays_with_scaled_lengths(server, tmp_path):
     requests = json.loads(out.read_text())["requests"]
     assert [(r["input_len"], r["output_len"]) for r in requests] == [(100, 5)] * 4
     assert [r["t_scheduled"] for r in requests] == pytest.approx([0.0, 0.01, 0.02, 0.03])
-    words = [b["prompt"].split() for b in server.bodies]
+    words = [b["prompt"].split() for b in server.bodies[1:]]  # the first is the probe
     shared = 3 * round(512 * 0.05)  # hash ids 0, 1, 2 in every request, in scaled blocks
     assert len({" ".join(w[:shared]) for w in words}) == 1
     assert len({" ".join(w[shared:]) for w in words}) == 4
@@ -191,7 +191,7 @@ def test_ctrl_c_prints_and_saves_the_results_so_far(stories_path, tmp_path):
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
         )  # fmt: skip
         deadline = time.monotonic() + 60
-        while len(server.bodies) < 10 and time.monotonic() < deadline:
+        while server.num_finished < 4 and time.monotonic() < deadline:  # probe + 3
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=30)

@@ -37,12 +37,15 @@ def feed(
 
 def test_each_read_with_text_is_one_token_chunk_stamped_with_its_arrival():
     a, b, c = text_chunk("a"), text_chunk("b"), text_chunk("c", "length")
-    usage = event({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 4}})
+    usage = event(
+        {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 4,
+                                  "prompt_tokens_details": {"cached_tokens": 3}}}
+    )  # fmt: skip
     reads = [(0.1, a[:10]), (0.2, a[10:] + b[:5]), (0.3, b[5:] + c), (0.4, usage)]
     state, record = feed([*reads, (0.5, b"data: [DONE]\n\n")])
     assert record.t_first == 0.2  # the first event was complete only in the second read
     assert record.token_times == [0.2, 0.3, 0.3]
-    assert (record.prompt_tokens, record.completion_tokens) == (7, 4)
+    assert (record.prompt_tokens, record.completion_tokens, record.cached_tokens) == (7, 4, 3)
     assert state.done and state.finished and state.last_read_s == 0.5
 
 
