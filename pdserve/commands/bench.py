@@ -16,6 +16,12 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the bench modules load only when the command runs
+    from pdserve.bench.compare import Outcome
+    from pdserve.bench.progress import Interrupt
+    from pdserve.bench.runner import BenchPlan, TargetResult
 
 HELP = "benchmark an OpenAI-compatible server: TTFT, ITL, TPOT, goodput; sweeps; comparisons"
 EXIT_INTERRUPTED = 130
@@ -75,7 +81,7 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
         default="completions",
         help="completions or chat (or /v1/completions, /v1/chat/completions); default completions",
     )
-    g.add_argument("--temperature", type=float, default=0.0, help="default %(default)s")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0)")
     g.add_argument(
         "--force-output-len",
         action=argparse.BooleanOptionalAction,
@@ -161,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_single(args, plan, interrupt)
 
 
-def _make_plan(args: argparse.Namespace):
+def _make_plan(args: argparse.Namespace) -> BenchPlan:
     from pdserve.bench.client import endpoint_name
     from pdserve.bench.metrics import Slo
     from pdserve.bench.runner import BenchPlan
@@ -222,7 +228,7 @@ def _parse_extra_body(text: str | None) -> dict:
     return body
 
 
-def _run_single(args: argparse.Namespace, plan, interrupt) -> int:
+def _run_single(args: argparse.Namespace, plan: BenchPlan, interrupt: Interrupt) -> int:
     from pdserve.bench.client import normalize_base_url
     from pdserve.bench.runner import bench_target
 
@@ -236,7 +242,7 @@ def _run_single(args: argparse.Namespace, plan, interrupt) -> int:
     return EXIT_INTERRUPTED if target.interrupted else 0
 
 
-def _run_compare(args: argparse.Namespace, plan, interrupt) -> int:
+def _run_compare(args: argparse.Namespace, plan: BenchPlan, interrupt: Interrupt) -> int:
     from pdserve.bench.compare import load_deployment, run_comparison
     from pdserve.bench.report import comparison_table
 
@@ -270,7 +276,7 @@ def _run_compare(args: argparse.Namespace, plan, interrupt) -> int:
     return 1 if any(o.error for o in outcomes) else 0
 
 
-def _target_text(target, plan, title: str) -> str:
+def _target_text(target: TargetResult, plan: BenchPlan, title: str) -> str:
     from pdserve.bench.report import summary_table, sweep_table
     from pdserve.bench.sweep import sweep_payload
 
@@ -281,7 +287,7 @@ def _target_text(target, plan, title: str) -> str:
     return f"{title}\n{sweep_table(target.runs, plan.target_attainment, best)}"
 
 
-def _sweep_comparison(results: dict, target: float) -> str:
+def _sweep_comparison(results: dict[str, TargetResult | None], target: float) -> str:
     from pdserve.bench.sweep import format_rate, max_rate_meeting
 
     lines = [f"comparison: goodput (req/s) / SLO attainment by rate, target {target:.0%}"]
@@ -312,7 +318,7 @@ def _goodput_cell(summary: dict | None) -> str:
     return f"{summary['goodput']:.2f} / " + ("-" if attain is None else f"{attain:.0%}")
 
 
-def _target_config(plan, target) -> dict:
+def _target_config(plan: BenchPlan, target: TargetResult) -> dict:
     return {
         **plan.describe(),
         "base_url": target.base_url,
@@ -321,7 +327,7 @@ def _target_config(plan, target) -> dict:
     }
 
 
-def _target_payload(target, plan) -> dict:
+def _target_payload(target: TargetResult, plan: BenchPlan) -> dict:
     from pdserve.bench.sweep import sweep_payload
 
     if target.sweep:
@@ -330,7 +336,7 @@ def _target_payload(target, plan) -> dict:
     return target.runs[0].to_dict()
 
 
-def _outcome_payload(outcome, plan) -> dict:
+def _outcome_payload(outcome: Outcome, plan: BenchPlan) -> dict:
     dep = outcome.deployment
     entry = {
         "name": dep.name,
@@ -344,7 +350,9 @@ def _outcome_payload(outcome, plan) -> dict:
     return entry
 
 
-def _write_outputs(args: argparse.Namespace, payload: dict, named_targets: dict, plan) -> None:
+def _write_outputs(
+    args: argparse.Namespace, payload: dict, named_targets: dict, plan: BenchPlan
+) -> None:
     from pdserve.bench.report import plot_cdfs, plot_sweeps, write_json
     from pdserve.bench.sweep import format_rate
 

@@ -202,3 +202,10 @@ def test_ctrl_c_prints_and_saves_the_results_so_far(stories_path, tmp_path):
     statuses = {r["status"] for r in data["requests"]}
     assert "cancelled" in statuses and data["summary"]["completed"] >= 1
     assert f"Completed requests              {data['summary']['completed']}" in stdout
+
+
+@pytest.mark.parametrize("args", [["--help"], ["compare", "--help"]])
+def test_help_pages_print(args, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", *args])
+    assert info.value.code == 0 and "--sweep-rates" in capsys.readouterr().out
