@@ -31,6 +31,7 @@ from pdserve.ipc.channel import Decoder, Encoder, make_socket
 from pdserve.ipc.messages import (
     AddRequest,
     FinishRequests,
+    KVReceived,
     KVReservation,
     PeerInfo,
     ReleaseKV,
@@ -49,6 +50,8 @@ from pdserve.types import EngineCoreOutput, RequestStatus
 logger = logging.getLogger("pdserve.worker")
 
 IDLE_POLL_MS = 100
+# Fault injection for tests: seconds a prefill worker sleeps after each step (a slow prefill).
+PREFILL_STEP_DELAY_S = float(os.environ.get("PDSERVE_TEST_PREFILL_STEP_DELAY_S", "0"))
 
 
 class Worker:
@@ -76,7 +79,7 @@ class Worker:
         self.sender = None  # prefill role
         self.receiver = None  # decode role
         self.running = True
-        self.kv_received: list[str] = []
+        self.kv_received: list[KVReceived] = []
         self.transfers: list[TransferStat] = []
 
     def send(self, msg) -> None:
@@ -208,7 +211,7 @@ class Worker:
         for msg in done:
             if msg.request_id in sched.remote_waiting:
                 out = sched.finish_remote_kv(msg.request_id, msg.first_token)
-                self.kv_received.append(msg.request_id)
+                self.kv_received.append(KVReceived(msg.request_id, msg.first_token))
                 if out is not None:
                     outputs.append(out)
         # The prefill worker gave the request up (it ended there, or the frontend aborted it):
@@ -249,6 +252,8 @@ class Worker:
             for out in outputs:  # ended on the prefill worker (EOS, stop, length): no handoff
                 if out.finish_reason is not None:
                     self.sender.abort(out.request_id)
+            if PREFILL_STEP_DELAY_S:
+                time.sleep(PREFILL_STEP_DELAY_S)
         else:
             prev = core.last_step
             outputs = core.step()

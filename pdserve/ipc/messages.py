@@ -103,6 +103,11 @@ class KVReservation(msgspec.Struct, array_like=True):
     num_cached_tokens: int
 
 
+class KVReceived(msgspec.Struct, array_like=True):
+    request_id: str
+    first_token: int  # sampled by the prefill worker
+
+
 class TransferStat(msgspec.Struct, array_like=True):
     request_id: str
     num_bytes: int
@@ -115,7 +120,7 @@ class StepOutputs(msgspec.Struct, tag=True):
     steps: list[StepStatsMsg]  # the steps since the last message
     state: WorkerState
     reservations: list[KVReservation] = []  # decode role: blocks held for remote KV
-    kv_received: list[str] = []  # decode role: requests whose remote KV arrived
+    kv_received: list[KVReceived] = []  # decode role: requests whose remote KV arrived
     transfers: list[TransferStat] = []  # prefill role: KV sent for handed-off requests
     kv_exposed_s: float = 0.0  # prefill role: cumulative time steps waited on KV transfers
 

@@ -17,7 +17,7 @@ from pdserve.config import CacheConfig, ModelConfig
 from pdserve.models.loader import load_model
 from pdserve.request import Request
 from pdserve.runner.attention import AttentionMetadata, PrefillChunk
-from pdserve.runner.sampler import Sampler, SamplingRow
+from pdserve.runner.sampler import Sampler, SamplingRow, is_greedy
 from pdserve.sched.scheduler import SchedulerOutput
 from pdserve.types import Logprob
 
@@ -176,6 +176,12 @@ class ModelRunner:
         if params.seed is not None and req.runner_state is None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed)
+            if not is_greedy(params):
+                # Tokens sampled elsewhere (a prefill worker) each took one draw: skip them, so
+                # the sequence is the same wherever its tokens were sampled.
+                noise = torch.empty(self.config.vocab_size, device=self.device)
+                for _ in range(req.num_output_tokens):
+                    noise.exponential_(generator=gen)
             req.runner_state = gen
         return SamplingRow(params, req.runner_state, req.prompt_token_ids, req.output_token_ids)
 

@@ -119,6 +119,9 @@ class _Remote:
     deadline: float
     sent_to_prefill: bool = False
     accepted_tokens: list[int] = field(default_factory=list)  # from the prefill worker
+    kv_done: bool = False  # the decode worker has the KV (its signal may beat the first token)
+    first_token: int | None = None  # as the decode worker received it
+    held: list[EngineCoreOutput] = field(default_factory=list)  # decode outputs to follow it
 
 
 class EngineClient:
@@ -331,12 +334,30 @@ class EngineClient:
             self.metrics.on_step(worker, msg)
         for r in msg.reservations:
             self._on_reservation(worker, r)
-        for core_id in msg.kv_received:
-            self.remote.pop(core_id, None)
+        for rec in msg.kv_received:
+            r = self.remote.get(rec.request_id)
+            if r is not None:
+                r.kv_done, r.first_token = True, rec.first_token
+                if r.accepted_tokens:
+                    del self.remote[rec.request_id]
         outputs = msg.outputs
         if worker.role == "prefill":
             outputs = self._from_prefill(worker, outputs)
+        else:
+            outputs = self._from_decode(worker, outputs)
         self._deliver(worker, outputs)
+
+    def _from_decode(self, worker: WorkerHandle, outputs: list[EngineCoreOutput]):
+        """Decode tokens of a handed-off request wait until its first token (from the prefill
+        worker, on another socket) has been delivered: the client sees them in order."""
+        kept = []
+        for out in outputs:
+            r = self.remote.get(out.request_id)
+            if r is not None and r.decode_id == worker.worker_id and out.error is None:
+                r.held.append(out)
+            else:
+                kept.append(out)
+        return kept
 
     def _from_prefill(self, worker: WorkerHandle, outputs: list[EngineCoreOutput]):
         kept = []
@@ -395,7 +416,7 @@ class EngineClient:
                         "restarting worker %d failed (exit code %s)", w.worker_id, w.proc.returncode
                     )
             now = time.monotonic()
-            for r in [r for r in self.remote.values() if now > r.deadline]:
+            for r in [r for r in self.remote.values() if now > r.deadline and not r.kv_done]:
                 logger.warning(
                     "KV transfer for %s timed out: recomputing on the decode worker", r.core_id
                 )
@@ -404,6 +425,10 @@ class EngineClient:
     def _fallback(self, r: _Remote, reason: str) -> None:
         """Give up on the remote prefill of one request (see the module docstring)."""
         self.remote.pop(r.core_id, None)
+        if r.kv_done:  # the decode worker has everything; only the first token was lost
+            first = [] if r.accepted_tokens else [EngineCoreOutput(r.core_id, [r.first_token])]
+            self._deliver(self.workers[r.decode_id], first + r.held)
+            return
         prefill, decode = self.workers[r.prefill_id], self.workers[r.decode_id]
         if self.metrics is not None:
             self.metrics.kv_fallbacks.labels(reason).inc()

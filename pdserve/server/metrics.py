@@ -169,7 +169,11 @@ class ServerMetrics:
                 self.itl.labels(*lab).observe(gap)
 
     def set_worker_up(self, worker, up: bool) -> None:
-        self.worker_up.labels(worker.role, str(worker.worker_id)).set(1 if up else 0)
+        lab = (worker.role, str(worker.worker_id))
+        self.worker_up.labels(*lab).set(1 if up else 0)
+        if not up:  # a dead worker holds nothing: its queue and KV gauges drop to zero
+            for gauge in (self.running, self.waiting, self.kv_usage):
+                gauge.labels(*lab).set(0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

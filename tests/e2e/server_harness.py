@@ -29,10 +29,11 @@ class Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, labels: str = "") -> float:
+        """Sum of a metric's samples whose labels contain `labels` (e.g. 'role="decode"')."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        values = [float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)]
-        return sum(values)
+        pattern = rf"^{name}{{([^}}]*)}} (\S+)$"
+        return sum(float(v) for lab, v in re.findall(pattern, text, re.M) if labels in lab)
 
     def wait_idle(self, timeout_s: float = 15.0) -> None:
         """Wait until no request runs or waits and no KV block is referenced (the pool is whole)."""
@@ -61,7 +62,9 @@ class Server:
         return self.proc.returncode
 
 
-def start_server(model: str, *extra: str, timeout_s: float = 120.0) -> Server:
+def start_server(
+    model: str, *extra: str, timeout_s: float = 120.0, env: dict | None = None
+) -> Server:
     port = free_port()
     cmd = [
         sys.executable,
@@ -76,7 +79,7 @@ def start_server(model: str, *extra: str, timeout_s: float = 120.0) -> Server:
         "warning",
         *extra,
     ]
-    proc = subprocess.Popen(cmd, env=os.environ.copy())
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
     server = Server(proc, port)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -1,0 +1,323 @@
+"""Prefill/decode disaggregation: outputs identical to colocated, and every failure ends cleanly.
+
+Each server here runs separate prefill and decode worker processes. After each scenario the
+server must be idle with no KV block referenced on any worker (read from its own metrics).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from server_harness import free_port, start_server
+
+from pdserve import LLM, SamplingParams
+
+CMPL = "/v1/completions"
+STORY = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
+    "park. One day, she saw a big, red ball. She wanted to play with it, but it was too high. "
+    "Lily's mom said, let's go to the park. Lily was sad and did not know what to do."
+)
+PROMPTS = [STORY, "Tim and his dog", STORY[:120], "The sun was"]
+SLOW_PREFILL = {"PDSERVE_TEST_PREFILL_STEP_DELAY_S": "0.1"}
+
+
+def completion(server, prompt, **kw) -> dict:
+    body = {"prompt": prompt, "max_tokens": 32, "temperature": 0, **kw}
+    r = httpx.post(server.url + CMPL, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream_text(server, prompt, **kw) -> str:
+    import json
+
+    body = {"prompt": prompt, "max_tokens": 32, "temperature": 0, "stream": True, **kw}
+    text = ""
+    with httpx.stream("POST", server.url + CMPL, json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    text += c["text"]
+    return text
+
+
+@pytest.fixture(scope="module")
+def offline(stories_path):
+    return LLM(stories_path)
+
+
+@pytest.fixture(scope="module")
+def disagg(stories_path):
+    s = start_server(stories_path, "--prefill-workers", "1", "--decode-workers", "1")
+    yield s
+    s.stop()
+
+
+def expected(offline, prompt, **kw) -> list[str]:
+    params = SamplingParams(**{"temperature": 0, "max_tokens": 32, **kw})
+    return [c.text for c in offline.generate([prompt], params)[0].outputs]
+
+
+def test_greedy_outputs_equal_colocated_streaming_and_not(disagg, offline):
+    for prompt in PROMPTS:
+        want = expected(offline, prompt)[0]
+        assert completion(disagg, prompt)["choices"][0]["text"] == want
+        assert stream_text(disagg, prompt) == want
+    # Each prompt's first run is prefilled remotely; a repeat may be cached on the decode worker.
+    assert disagg.metric("pdserve_router_decisions_total", 'decision="remote"') >= len(PROMPTS)
+    assert disagg.metric("pdserve_router_decisions_total") == 2 * len(PROMPTS)
+    assert disagg.metric("pdserve_kv_transfer_bytes_total") > 0
+    disagg.wait_idle()
+
+
+def test_n2_seeded_sampling_equals_colocated(disagg, offline):
+    want = expected(offline, STORY, n=2, temperature=1.0, seed=7, max_tokens=24)
+    got = completion(disagg, STORY, n=2, temperature=1.0, seed=7, max_tokens=24)
+    assert [c["text"] for c in sorted(got["choices"], key=lambda c: c["index"])] == want
+    disagg.wait_idle()
+
+
+def test_decode_worker_with_cached_prefix_receives_only_the_rest(disagg, offline):
+    longer = (
+        "Max was a big brown dog who lived on a farm with a boy named Sam. Every morning they "
+        "ran to the river and looked at the fish. One day Sam found a shiny stone in the water "
+        "and showed it to his mom. She smiled and said it was a gift from the river."
+    )
+    completion(disagg, longer[:150], max_tokens=4)  # the decode worker now holds its blocks
+    bytes_before = disagg.metric("pdserve_kv_transfer_bytes_total")
+    got = completion(disagg, longer)
+    assert got["choices"][0]["text"] == expected(offline, longer)[0]
+    sent = disagg.metric("pdserve_kv_transfer_bytes_total") - bytes_before
+    n_prompt = got["usage"]["prompt_tokens"]
+    bytes_per_token = 5 * 2 * 4 * 8 * 4  # layers * (K, V) * kv heads * head dim * fp32
+    assert 0 < sent < n_prompt * bytes_per_token
+    # The repeated prompt is mostly cached on the decode worker: prefilled there, no transfer.
+    local_before = disagg.metric("pdserve_router_decisions_total", 'decision="cached_on_decode"')
+    completion(disagg, longer)
+    assert (
+        disagg.metric("pdserve_router_decisions_total", 'decision="cached_on_decode"')
+        > local_before
+    )
+    disagg.wait_idle()
+
+
+def test_tcp_transport_and_chunked_prefill_on_prefill_worker(stories_path, offline):
+    s = start_server(
+        stories_path,
+        "--prefill-workers",
+        "1",
+        "--decode-workers",
+        "1",
+        "--kv-transport",
+        "tcp",
+        "--prefill-max-num-batched-tokens",
+        "16",
+    )
+    try:
+        for prompt in PROMPTS:
+            assert completion(s, prompt)["choices"][0]["text"] == expected(offline, prompt)[0]
+        assert s.metric("pdserve_kv_transfer_bytes_total") > 0
+        assert s.metric("pdserve_step_time_seconds_count", 'role="prefill"') >= 8  # chunked
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
+def test_random_weight_model_equals_colocated(tiny_models):
+    path = tiny_models["qwen3"]
+    offline = LLM(path)
+    ids = list(range(5, 80))
+    want = offline.generate([ids], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    s = start_server(path, "--prefill-workers", "1", "--decode-workers", "1")
+    try:
+        got = completion(s, ids, max_tokens=24, ignore_eos=True)
+        assert got["choices"][0]["text"] == want.text
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
+def test_short_prompts_prefilled_on_the_decode_worker(stories_path, offline):
+    s = start_server(stories_path, "--prefill-workers", "1", "--disagg-min-prompt-tokens", "20")
+    try:
+        assert completion(s, "Tim")["choices"][0]["text"] == expected(offline, "Tim")[0]
+        assert s.metric("pdserve_router_decisions_total", 'decision="short_prompt"') == 1
+        completion(s, STORY)
+        assert s.metric("pdserve_router_decisions_total", 'decision="remote"') == 1
+    finally:
+        s.stop()
+
+
+def _worker_pid(server, role: str, index: int = 0) -> int:
+    workers = httpx.get(server.url + "/health").json()["workers"]
+    return [w["pid"] for w in workers if w["role"] == role][index]
+
+
+def test_prefill_worker_killed_mid_transfer_recomputes_on_decode(stories_path, offline):
+    s = start_server(
+        stories_path,
+        "--prefill-workers",
+        "1",
+        "--prefill-max-num-batched-tokens",
+        "8",
+        env=SLOW_PREFILL,
+    )
+    try:
+        result = {}
+        t = threading.Thread(target=lambda: result.update(completion(s, STORY)))
+        t.start()
+        time.sleep(0.8)  # a few 8-token chunks in: some layers' KV already sent
+        assert s.metric("pdserve_kv_transfer_bytes_total") == 0  # not finished yet
+        os.kill(_worker_pid(s, "prefill"), signal.SIGKILL)
+        t.join(timeout=60)
+        assert result["choices"][0]["text"] == expected(offline, STORY)[0]
+        assert s.metric("pdserve_kv_transfer_fallbacks_total", 'reason="prefill_dead"') == 1
+        health = httpx.get(s.url + "/health").json()
+        assert health["status"] == "degraded"
+        # With no prefill worker left, new requests are prefilled on the decode worker.
+        assert (
+            completion(s, "The sun was")["choices"][0]["text"]
+            == expected(offline, "The sun was")[0]
+        )
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
+def test_prefill_failure_can_fail_the_request(stories_path):
+    s = start_server(
+        stories_path,
+        "--prefill-workers",
+        "1",
+        "--prefill-max-num-batched-tokens",
+        "8",
+        "--on-prefill-failure",
+        "fail",
+        env=SLOW_PREFILL,
+    )
+    try:
+        box = {}
+
+        def run():
+            box["r"] = httpx.post(s.url + CMPL, json={"prompt": STORY, "max_tokens": 8}, timeout=60)
+
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(0.8)
+        os.kill(_worker_pid(s, "prefill"), signal.SIGKILL)
+        t.join(timeout=30)
+        assert box["r"].status_code == 503
+        assert "prefill worker" in box["r"].json()["error"]["message"]
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
+def test_transfer_timeout_falls_back_to_local_recompute(stories_path, offline):
+    s = start_server(
+        stories_path,
+        "--prefill-workers",
+        "1",
+        "--prefill-max-num-batched-tokens",
+        "8",
+        "--kv-transfer-timeout",
+        "0.3",
+        env=SLOW_PREFILL,
+    )
+    try:
+        got = completion(s, STORY)
+        assert got["choices"][0]["text"] == expected(offline, STORY)[0]
+        assert s.metric("pdserve_kv_transfer_fallbacks_total", 'reason="timeout"') == 1
+        time.sleep(4)  # the prefill worker finishes its (now unwanted) work and lets go
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
+def test_client_abort_during_transfer_frees_both_sides(stories_path):
+    s = start_server(
+        stories_path,
+        "--prefill-workers",
+        "1",
+        "--prefill-max-num-batched-tokens",
+        "8",
+        env=SLOW_PREFILL,
+    )
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(s.url + CMPL, json={"prompt": STORY, "max_tokens": 8}, timeout=0.6)
+        s.wait_idle(timeout_s=10)
+        assert s.metric("pdserve_kv_cache_usage_ratio", 'role="decode"') == 0
+        assert s.metric("pdserve_kv_cache_usage_ratio", 'role="prefill"') == 0
+    finally:
+        s.stop()
+
+
+def test_decode_worker_killed_fails_its_requests_and_restarts(stories_path, offline):
+    s = start_server(
+        stories_path, "--prefill-workers", "1", "--decode-workers", "2", "--restart-workers"
+    )
+    try:
+        box = {}
+
+        def run():
+            box["r"] = httpx.post(
+                s.url + CMPL,
+                timeout=60,
+                json={"prompt": STORY, "max_tokens": 400, "ignore_eos": True},
+            )
+
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(0.5)
+        victim = next(
+            w for w in httpx.get(s.url + "/health").json()["workers"] if w["role"] == "decode"
+        )
+        os.kill(victim["pid"], signal.SIGKILL)
+        t.join(timeout=30)
+        # The request either already ran on the other decode worker or ends with a clear 503.
+        if box["r"].status_code != 200:
+            assert box["r"].status_code == 503 and "died" in box["r"].json()["error"]["message"]
+        health = httpx.get(s.url + "/health").json()
+        assert health["status"] in ("degraded", "ok")
+        for _ in range(5):  # new requests go to the live decode worker
+            assert (
+                completion(s, "Tim and his dog")["choices"][0]["text"]
+                == expected(offline, "Tim and his dog")[0]
+            )
+        deadline = time.monotonic() + 60
+        while httpx.get(s.url + "/health").json()["status"] != "ok":
+            assert time.monotonic() < deadline, "the restarted decode worker did not rejoin"
+            time.sleep(0.5)
+        assert completion(s, STORY)["choices"][0]["text"] == expected(offline, STORY)[0]
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
+def test_mismatched_workers_fail_at_startup(stories_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "serve",
+        "--model",
+        stories_path,
+        "--port",
+        str(free_port()),
+        "--prefill-workers",
+        "1",
+        "--prefill-block-size",
+        "32",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "disagree on the KV layout" in proc.stderr and "block_size 32 != 16" in proc.stderr
