@@ -522,9 +522,12 @@ def _stream_response(
         n_out = 0
         sent_role: set[int] = set()
         last: RequestOutput | None = None
+        cached: dict[int, int] = {}  # per prompt: tokens served from the prefix cache
         try:
             async for i, out in _merged(state, adm, jobs):
                 last = out
+                if out.metrics is not None:
+                    cached[i] = out.metrics.num_cached_tokens
                 for c in out.outputs:
                     if not c.new_token_ids and not c.new_text and c.finish_reason is None:
                         continue
@@ -564,7 +567,7 @@ def _stream_response(
                         rid,
                         state.model_name,
                         [],
-                        usage=fmt.usage(n_prompt, n_out),
+                        usage=fmt.usage(n_prompt, n_out, sum(cached.values())),
                         timings=fmt.timings(last.metrics if last else None),
                     )
                 )

@@ -187,3 +187,22 @@ def test_phase_timings_in_body_and_headers(server):
     assert t["ttft_ms"] == pytest.approx(t["queue_ms"] + t["prefill_ms"], abs=0.01)
     assert t["e2e_ms"] == pytest.approx(t["ttft_ms"] + t["decode_ms"], abs=0.01)
     assert float(r.headers["x-pdserve-ttft-ms"]) == pytest.approx(t["ttft_ms"], abs=0.01)
+
+
+def test_cached_prompt_tokens_reported_streaming_and_not(client):
+    prompt = "Lily and Tim went to the park to play with a big red ball. " * 3
+    client.completions.create(model="stories", prompt=prompt, max_tokens=2, temperature=0)
+    r = client.completions.create(model="stories", prompt=prompt, max_tokens=2, temperature=0)
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 16 and cached % 16 == 0
+    chunks = list(
+        client.completions.create(
+            model="stories",
+            prompt=prompt,
+            max_tokens=2,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
