@@ -439,15 +439,9 @@ def build_app(
         for i, (text, ids) in enumerate(prompts):
             ids = state.prepare(ids, params, body.truncate_prompt_tokens)
             jobs.append((f"{rid}-{i}", text, ids, params))
-        adm = state.admit(len(jobs))
-        if body.stream:
-            return _stream_response(state, adm, rid, jobs, body, chat=False)
-        try:
-            outs = await _until_disconnect(request, _collect(state, adm, jobs))
-        finally:
-            adm.close()
-        if outs is None:
-            return Response(status_code=499)
+        outs = await _run(state, request, rid, jobs, body, chat=False)
+        if not isinstance(outs, list):
+            return outs
         choices, n_out = [], 0
         for i, out in enumerate(outs):
             for c in out.outputs:
@@ -472,15 +466,9 @@ def build_app(
         ids = state.prepare(state.render_chat(body), params, body.truncate_prompt_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = [(rid, None, ids, params)]
-        adm = state.admit(len(jobs))
-        if body.stream:
-            return _stream_response(state, adm, rid, jobs, body, chat=True)
-        try:
-            outs = await _until_disconnect(request, _collect(state, adm, jobs))
-        finally:
-            adm.close()
-        if outs is None:
-            return Response(status_code=499)
+        outs = await _run(state, request, rid, jobs, body, chat=True)
+        if not isinstance(outs, list):
+            return outs
         choices, n_out = [], 0
         for c in outs[0].outputs:
             lps = (
@@ -493,6 +481,20 @@ def build_app(
         return _final(state, "chat.completion", rid, choices, outs, n_out)
 
     return app
+
+
+async def _run(
+    state: ServerState, request: Request, rid: str, jobs, body, chat: bool
+) -> list[RequestOutput] | Response:
+    """Admit the jobs, then stream them, or wait for all of them (a response if the client left)."""
+    adm = state.admit(len(jobs))
+    if body.stream:
+        return _stream_response(state, adm, rid, jobs, body, chat=chat)
+    try:
+        outs = await _until_disconnect(request, _collect(state, adm, jobs))
+    finally:
+        adm.close()
+    return Response(status_code=499) if outs is None else outs
 
 
 def _final(state: ServerState, kind: str, rid: str, choices, outs, n_out: int) -> JSONResponse:
