@@ -263,6 +263,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     num_threads: int | None = None
     hardware_profile: str | None = None
+    linear_backend: str = "auto"  # auto | onednn | torch (see pdserve/models/packed_linear.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -277,6 +278,12 @@ class EngineArgs:
             "dtype",
             self.dtype,
             "must be auto, float32, bfloat16 or float16",
+        )
+        _require(
+            self.linear_backend in ("auto", "onednn", "torch"),
+            "linear_backend",
+            self.linear_backend,
+            "must be auto, onednn or torch",
         )
         _require(
             self.max_model_len is None or self.max_model_len >= 1,

@@ -88,4 +88,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         num_threads=args.num_threads,
         hardware_profile=args.hardware_profile,
+        linear_backend=args.linear_backend,
     )

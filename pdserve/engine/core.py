@@ -45,6 +45,7 @@ class EngineCore:
             max_len,
             args.seed,
             kv_cache_factory=kv_cache_factory,
+            linear_backend=args.linear_backend,
         )
         self.kv = KVCacheManager(
             self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching

@@ -90,8 +90,14 @@ def _checkpoint_name(pname: str, shard: int | None) -> str:
 
 
 def load_model(
-    cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_len: int
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_len: int,
+    linear_backend: str = "auto",
 ) -> nn.Module:
+    """Build and fill the model. `linear_backend`: "torch" (F.linear), "onednn" (prepacked
+    weights, CPU float32), or "auto" (onednn where available)."""
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg)
@@ -131,4 +137,20 @@ def load_model(
             f"weights missing from {', '.join(f.name for f in files)}: {', '.join(missing)}"
         )
     model.rope.build(max_len, device, dtype)
+    _select_linear_backend(model, linear_backend, device, dtype)
     return model.eval()
+
+
+def _select_linear_backend(model: nn.Module, backend: str, device, dtype) -> None:
+    from pdserve.models.packed_linear import onednn_available, pack_linears
+
+    if backend == "torch":
+        return
+    if not onednn_available(device, dtype):
+        if backend == "onednn":
+            raise ValueError(
+                f"invalid linear_backend='onednn': needs a CPU, float32 and torch's oneDNN ops "
+                f"(device={device}, dtype={dtype})"
+            )
+        return
+    pack_linears(model)

@@ -51,6 +51,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         seed: int = 0,
         kv_cache_factory=None,
+        linear_backend: str = "auto",
     ) -> None:
         """`kv_cache_factory(shape, dtype)` allocates the KV cache (default: zeros in this
         process; disaggregated decode workers put it in shared memory)."""
@@ -60,7 +61,9 @@ class ModelRunner:
         self.max_model_len = max_model_len or model_config.max_model_len
         self.block_size = cache_config.block_size
         torch.manual_seed(seed)
-        self.model = load_model(model_config, self.device, self.dtype, self.max_model_len)
+        self.model = load_model(
+            model_config, self.device, self.dtype, self.max_model_len, linear_backend
+        )
         self.num_blocks = self._num_blocks(cache_config)
         shape = (
             model_config.num_layers,
