@@ -264,7 +264,6 @@ class EngineArgs:
     num_threads: int | None = None
     hardware_profile: str | None = None
     linear_backend: str = "auto"  # auto | onednn | torch (see pdserve/models/packed_linear.py)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _require(
@@ -398,7 +397,7 @@ class DisaggConfig:
             self.on_prefill_failure,
             "must be recompute or fail",
         )
-        allowed = EngineArgs.field_names() - {"model", "tokenizer", "extra"}
+        allowed = EngineArgs.field_names() - {"model", "tokenizer"}
         for name in (*self.prefill_overrides, *self.decode_overrides):
             _require(name in allowed, "pool override", name, "is not an engine argument")
 

@@ -80,9 +80,10 @@ class EngineCore:
                 f"invalid max_tokens={params.max_tokens}: the prompt has {n} tokens and the "
                 f"context {self.max_model_len}, so at most {room} can be generated"
             )
-        max_tokens = params.max_tokens or room
         capacity = self.kv.num_blocks * self.kv.block_size
-        if n + max_tokens > capacity:
+        # No max_tokens: up to the context, or as much as the whole KV cache holds.
+        max_tokens = params.max_tokens or min(room, capacity - n)
+        if n + max_tokens > capacity or max_tokens < 1:
             raise ValueError(
                 f"invalid request: {n} prompt + {max_tokens} output tokens exceed the KV cache "
                 f"({capacity} tokens); raise --kv-cache-memory or lower max_tokens"

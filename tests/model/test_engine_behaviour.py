@@ -225,3 +225,13 @@ def test_wrong_shape_tensor_names_the_tensor(tmp_path, stories_path):
 def test_unknown_engine_argument(stories_path):
     with pytest.raises(ValueError, match="max_batch"):
         LLM(stories_path, max_batch=3)
+
+
+def test_no_max_tokens_runs_to_the_kv_capacity(stories_path):
+    small = LLM(stories_path, num_kv_blocks=8)  # 128 token slots, context 512
+    out = small.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=None))[0]
+    assert len(out.prompt_token_ids) + len(out.token_ids) == 128
+    assert out.finish_reason == "length"
+    with pytest.raises(ValueError, match="exceed the KV cache"):
+        small.generate(["Once upon a time"], SamplingParams(max_tokens=200))
+    small.engine.core.kv.pool.check_whole()
