@@ -104,3 +104,39 @@ def test_bad_sizes_and_args():
         EngineArgs(model="x", device="tpu")
     with pytest.raises(ValueError, match="dtype='int8'"):
         EngineArgs(model="x", dtype="int8")
+
+
+def test_worker_specs_per_pool_overrides_and_cpus():
+    from pdserve.config import DisaggConfig, worker_specs
+
+    args = EngineArgs(model="m", max_num_batched_tokens=2048)
+    assert [(r, c) for r, _, c in worker_specs(args, DisaggConfig())] == [("both", None)]
+    d = DisaggConfig(
+        num_prefill_workers=1,
+        num_decode_workers=2,
+        prefill_cpus=("0",),
+        decode_cpus=("1",),
+        prefill_overrides={"max_num_batched_tokens": 512},
+        decode_overrides={"max_num_seqs": 8},
+    )
+    specs = worker_specs(args, d)
+    assert [(r, c) for r, _, c in specs] == [("prefill", "0"), ("decode", "1"), ("decode", "1")]
+    assert specs[0][1].max_num_batched_tokens == 512 and specs[1][1].max_num_seqs == 8
+    assert specs[1][1].max_num_batched_tokens == 2048
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_decode_workers": 0}, "decode_workers=0"),
+        ({"num_decode_workers": 2}, "prefill-workers"),
+        ({"num_prefill_workers": 1, "kv_transport": "rdma"}, "kv_transport='rdma'"),
+        ({"num_prefill_workers": 1, "prefill_overrides": {"bogus": 1}}, "bogus"),
+        ({"num_prefill_workers": 1, "on_prefill_failure": "retry"}, "on_prefill_failure"),
+    ],
+)
+def test_bad_disagg_configs(kwargs, match):
+    from pdserve.config import DisaggConfig
+
+    with pytest.raises(ValueError, match=match):
+        DisaggConfig(**kwargs)
