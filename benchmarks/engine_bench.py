@@ -232,9 +232,19 @@ def make_llm(model_dir: Path, **engine_args: Any) -> LLM:
 
 
 # ---- 1. roofline -----------------------------------------------------------------------------
-def matrices_of(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The 2-D weights a forward multiplies by, the tied embedding once (as lm_head)."""
-    return [p.detach() for p in model.parameters() if p.dim() == 2]
+def matrices_of(model_dir: Path) -> list[torch.Tensor]:
+    """The 2-D weights a forward multiplies by, read from the checkpoint (the engine may hold them
+    prepacked): every projection, and the output matrix once (the tied embedding as lm_head)."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    tied = "lm_head.weight" not in tensors
+    return [
+        t for name, t in tensors.items()
+        if t.dim() == 2 and (tied or "embed_tokens" not in name)
+    ]
 
 
 def _default_linear(weights: list[torch.Tensor]):
@@ -282,7 +292,7 @@ def linear_ceiling(
 def bench_roofline(cfg: BenchConfig, quiet: Quiet, llm: LLM) -> dict[str, Any]:
     gemm = quiet.run("gemm", lambda: measure_gemm_flops("float32", seconds=cfg.gemm_seconds))
     bw = quiet.run("bandwidth", lambda: measure_bandwidth(seconds=cfg.bandwidth_seconds))
-    weights = matrices_of(llm.engine.core.runner.model)
+    weights = matrices_of(Path(llm.engine.args.model))
     layer_weights = [w for w in weights if max(w.shape) < 30_000]  # without the lm_head
     rep = cfg.ceiling_repeats
     ceilings = {}
