@@ -28,6 +28,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: 0)")
     g.add_argument("--num-threads", type=int, help="torch CPU threads (default: torch's choice)")
     g.add_argument(
+        "--linear-backend",
+        default="auto",
+        choices=["auto", "onednn", "torch"],
+        help="matmul kernels: oneDNN with weights prepacked at load (CPU float32; auto uses it "
+        "where available) or torch's F.linear",
+    )
+    g.add_argument(
         "--hardware-profile",
         metavar="FILE",
         help="peak FLOP/s and bandwidth for MFU/MBU (see `pdserve profile-hardware`)",
