@@ -414,6 +414,10 @@ def worker_specs(
         cpus = disagg.decode_cpus[0] if disagg.decode_cpus else None
         return [("both", args, cpus)]
     out = []
+    # oneDNN's spinning threads and per-shape kernel builds hurt when several engine processes
+    # share cores: disaggregated pools keep F.linear unless the user asks for oneDNN.
+    if args.linear_backend == "auto":
+        args = replace(args, linear_backend="torch")
     for role, n, overrides, cpus in (
         ("prefill", disagg.num_prefill_workers, disagg.prefill_overrides, disagg.prefill_cpus),
         ("decode", disagg.num_decode_workers, disagg.decode_overrides, disagg.decode_cpus),

@@ -165,15 +165,15 @@ class Worker:
             except ValueError as e:
                 return [EngineCoreOutput(msg.request_id, [], finish_reason="abort", error=str(e))]
         elif isinstance(msg, FinishRequests):
-            if msg.reason == "stop":
-                core.stop_requests(msg.request_ids)
-            else:
-                sched.finish_requests(
-                    msg.request_ids, RequestStatus.FINISHED_ABORTED, release_kv=msg.release_kv
-                )
-                if self.sender is not None:
-                    for rid in msg.request_ids:
-                        self.sender.abort(rid)
+            status = (
+                RequestStatus.FINISHED_STOPPED
+                if msg.reason == "stop"
+                else RequestStatus.FINISHED_ABORTED
+            )
+            sched.finish_requests(msg.request_ids, status, release_kv=msg.release_kv)
+            if self.sender is not None:
+                for rid in msg.request_ids:
+                    self.sender.abort(rid)
         elif isinstance(msg, ResumeLocally):
             sched.resume_locally(msg.request_id, msg.output_token_ids, msg.release_kv)
         elif isinstance(msg, ReleaseKV):

@@ -367,12 +367,15 @@ class EngineClient:
                 continue  # fallen back to local recompute (or gone): the decode worker owns it
             self.sent_to.get(worker.worker_id, set()).discard(out.request_id)
             r.accepted_tokens.extend(out.new_token_ids)
+            kept.append(out)
             if out.finish_reason is not None:  # ended at the first token: nothing to hand off
                 self.remote.pop(out.request_id, None)
                 self._send(
                     self.workers[r.decode_id], FinishRequests([out.request_id], release_kv=False)
                 )
-            kept.append(out)
+            elif r.kv_done:  # the decode worker's tokens waited for this one
+                del self.remote[out.request_id]
+                kept.extend(r.held)
         return kept
 
     def _deliver(self, worker: WorkerHandle, outputs: list[EngineCoreOutput]) -> None:
