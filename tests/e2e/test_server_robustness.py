@@ -318,5 +318,8 @@ def test_sigterm_shuts_down_cleanly(stories_path):
         for _ in range(50):
             os.kill(pid, 0)
             time.sleep(0.1)
-    with socket.socket() as sock:  # the port is free again
+    with socket.socket() as sock:  # nothing listens on the port any more (a restarted server,
+        # like uvicorn, sets SO_REUSEADDR: closed client connections may sit in TIME_WAIT)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", s.port))
+        sock.listen()
