@@ -242,8 +242,7 @@ def matrices_of(model_dir: Path) -> list[torch.Tensor]:
         tensors.update(load_file(str(f)))
     tied = "lm_head.weight" not in tensors
     return [
-        t for name, t in tensors.items()
-        if t.dim() == 2 and (tied or "embed_tokens" not in name)
+        t for name, t in tensors.items() if t.dim() == 2 and (tied or "embed_tokens" not in name)
     ]
 
 
