@@ -94,6 +94,9 @@ class Slo:
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     e2e_ms: float | None = None
+    # the longest gap between two tokens of a request: a stream that pauses (behind another
+    # request's prefill, say) can keep a good TPOT on average and still stall its reader
+    max_itl_ms: float | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -103,7 +106,7 @@ class Slo:
 
     @classmethod
     def parse(cls, text: str | None) -> Slo:
-        """`"ttft_ms=200,tpot_ms=50[,e2e_ms=5000]"` (empty or None: no targets)."""
+        """`"ttft_ms=200,tpot_ms=50[,e2e_ms=5000,max_itl_ms=500]"` (empty or None: no targets)."""
         targets: dict[str, float] = {}
         known = [f.name for f in fields(cls)]
         for item in (text or "").split(","):
@@ -123,7 +126,7 @@ class Slo:
 
     @property
     def is_empty(self) -> bool:
-        return self.ttft_ms is None and self.tpot_ms is None and self.e2e_ms is None
+        return all(getattr(self, f.name) is None for f in fields(self))
 
     def describe(self) -> str:
         parts = [
@@ -132,13 +135,15 @@ class Slo:
         return ", ".join(parts) or "none"
 
     def met_by(self, record: RequestRecord) -> bool:
-        """A completed request within every target (TPOT undefined for one token: met)."""
+        """A completed request within every target (TPOT and ITL undefined for one token: met)."""
         if record.status != COMPLETED:
             return False
+        itl = record.itl
         checks = (
             (self.ttft_ms, record.ttft),
             (self.tpot_ms, record.tpot),
             (self.e2e_ms, record.e2e),
+            (self.max_itl_ms, max(itl) if itl else None),
         )
         return all(
             target is None or value is None or value * 1000.0 <= target for target, value in checks

@@ -139,7 +139,10 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of lengths, arrivals and prompts (0)")
 
     g = p.add_argument_group("report")
-    g.add_argument("--slo", help="latency targets, e.g. ttft_ms=500,tpot_ms=50[,e2e_ms=10000]")
+    g.add_argument(
+        "--slo",
+        help="latency targets, e.g. ttft_ms=500,tpot_ms=50[,e2e_ms=10000,max_itl_ms=300]",
+    )
     g.add_argument("--sweep-rates", metavar="R1,R2,...", help="run once per request rate")
     g.add_argument(
         "--target-attainment",

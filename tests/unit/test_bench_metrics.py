@@ -61,6 +61,19 @@ def test_slo_targets_are_inclusive_and_failed_requests_never_meet():
     assert not Slo().met_by(failed(0.0, 0.1))
 
 
+def test_max_itl_target_catches_a_pause_that_tpot_averages_away():
+    # 11 tokens 50 ms apart except one 600 ms pause: TPOT 105 ms, longest gap 600 ms
+    times = [0.1 + 0.05 * i for i in range(5)] + [0.9 + 0.05 * i for i in range(6)]
+    r = done(0.0, times)
+    assert r.tpot == pytest.approx(0.105)
+    assert Slo(tpot_ms=110).met_by(r)
+    assert not Slo(tpot_ms=110, max_itl_ms=599).met_by(r)
+    assert Slo(max_itl_ms=600).met_by(r)
+    assert Slo(max_itl_ms=1).met_by(done(0.0, [0.1]))  # one token: no gap to bound
+    assert Slo.parse("max_itl_ms=500") == Slo(max_itl_ms=500)
+    assert not Slo(max_itl_ms=500).is_empty
+
+
 def test_summary_on_hand_built_records():
     records = [
         done(0.0, [0.1, 0.2, 0.3], completion_tokens=3, prompt_tokens=7),  # ttft 100, tpot 100
