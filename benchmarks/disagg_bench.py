@@ -11,14 +11,16 @@ client, one deployment and one rate at a time:
   colocated-nochunk  one worker on CPUs 0-1, each prompt prefilled in one step
   disagg-1p1d        a prefill worker on CPU 0 and a decode worker on CPU 1 (KV over shm)
 
-For each: TTFT / ITL / TPOT / E2E percentiles, goodput and SLO attainment under each `--slo`, the gap
-between the first and second token apart from the later gaps (in disaggregation that gap holds
-the handoff to the decode worker), the workers' step time per phase and, for disaggregation,
-the KV transfer counters, all from the server's /metrics before and after the run; and the CPU
-time of the frontend, each worker and the client.
+For each: TTFT / ITL / TPOT / E2E percentiles; goodput and SLO attainment under each `--slo`;
+the gap between the first and second token apart from the later gaps (in disaggregation that
+gap holds the handoff to the decode worker); pauses (gaps over `--stall-ms`) and the longest
+pause of each request; the workers' step time per phase and, for disaggregation, the KV
+transfer counters, from the server's /metrics before and after the run; and the CPU time of
+the frontend, each worker and the client. `--reanalyze FILE` recomputes the latency figures of
+a saved run under other SLOs without running anything.
 
-Each run waits until no `engine_bench|engine_whatif|pytest` process runs and records any that
-appeared while it ran.
+Each run waits until no other benchmark, test or pdserve process runs, and runs again (up to
+`--attempts`) when one appeared while it ran.
 """
 
 from __future__ import annotations
