@@ -9,7 +9,9 @@ worker, on the same ordered channel, that the KV is complete, with the first tok
 
 Two transports sit behind one interface:
 - `shm` (one host): the decode worker's cache lives in a shared-memory file that the prefill worker
-  maps; a transfer is one gather/scatter copy straight into the decode worker's blocks.
+  maps; a transfer copies the rows straight into the decode worker's blocks: one copy per stretch
+  of slots that is contiguous on both sides, or a gather and a scatter when the stretches are
+  short (block tables scattered over the caches).
 - `tcp` (across hosts): each layer's rows go as zero-copy ZMQ frames; the decode worker writes them
   into its cache between its own steps.
 A GPU transport (CUDA IPC, NCCL, NIXL) would implement `_Peer.write_layer` the same way.
@@ -69,6 +71,21 @@ def map_shm_cache(path: str, layout: KVLayout, num_slots: int, dtype: torch.dtyp
 
 # ---- prefill side ---------------------------------------------------------------------------
 
+# Copy stretch by stretch when there is one or they average at least this many tokens; below
+# it, one gather + one scatter (two passes over the bytes, but two calls) beats many small copies.
+MIN_MEAN_RUN_TOKENS = 64
+
+
+def contiguous_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
+    """(source slot, destination slot, length) of each stretch where both slot lists advance by
+    one: the pieces a transfer can copy without gathering."""
+    if len(src) == 0:
+        return []
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(src)]))
+    return [(int(src[a]), int(dst[a]), int(b - a)) for a, b in zip(starts, ends)]
+
 
 @dataclass
 class _Peer:
@@ -76,15 +93,18 @@ class _Peer:
     sock: zmq.Socket
     cache: torch.Tensor | None  # shm: the decode worker's whole cache, mapped here
 
-    def write_layer(
-        self, request_id: str, layer: int, src: torch.Tensor, dst: torch.Tensor, own: torch.Tensor
-    ) -> None:
-        rows = own.index_select(1, src)  # [2, n, H, D]: this request's new K and V rows
-        if self.cache is not None:
-            self.cache[layer].index_copy_(1, dst, rows)
-        else:
-            header = msgspec.msgpack.encode(KVLayerHeader(request_id, layer, int(dst.numel())))
-            self.sock.send_multipart([header, dst.numpy(), rows.numpy()], copy=False)
+    def write_layer(self, job: _StepJob, layer: int, own: torch.Tensor) -> None:
+        """Ship one layer's new K and V rows of a request (`own`: [2, slots, H, D])."""
+        if self.cache is None:  # tcp: the rows and their destination slots as frames
+            rows = own.index_select(1, job.src)
+            header = msgspec.msgpack.encode(KVLayerHeader(job.request_id, layer, len(job.dst)))
+            self.sock.send_multipart([header, job.dst.numpy(), rows.numpy()], copy=False)
+        elif job.runs is not None:  # shm, long stretches: copy them in place
+            target = self.cache[layer]
+            for s0, d0, n in job.runs:
+                target[:, d0 : d0 + n].copy_(own[:, s0 : s0 + n])
+        else:  # shm, scattered slots: gather here, scatter there
+            self.cache[layer].index_copy_(1, job.dst, own.index_select(1, job.src))
 
 
 @dataclass
@@ -101,6 +121,7 @@ class _StepJob:
     peer_id: int
     src: torch.Tensor  # [n] slots here
     dst: torch.Tensor  # [n] slots at the decode worker
+    runs: list[tuple[int, int, int]] | None = None  # contiguous stretches, when long enough
 
 
 class KVSender:
@@ -168,9 +189,15 @@ class KVSender:
             pos = np.arange(start, end)
             src_table = np.asarray(block_tables[req.request_id], dtype=np.int64)
             dst_table = np.asarray(t.dest.block_ids, dtype=np.int64)
-            src = torch.from_numpy(src_table[pos // bs] * bs + pos % bs)
-            dst = torch.from_numpy(dst_table[pos // bs] * bs + pos % bs)
-            self.step_jobs.append(_StepJob(req.request_id, t.dest.worker_id, src, dst))
+            src = src_table[pos // bs] * bs + pos % bs
+            dst = dst_table[pos // bs] * bs + pos % bs
+            runs = contiguous_runs(src, dst)
+            if len(runs) > 1 and len(runs) * MIN_MEAN_RUN_TOKENS > len(pos):
+                runs = None
+            job = _StepJob(
+                req.request_id, t.dest.worker_id, torch.from_numpy(src), torch.from_numpy(dst), runs
+            )
+            self.step_jobs.append(job)
             t.sent_upto = end
             t.num_bytes += (end - start) * self.bytes_per_token_layer * self.layout.num_layers
             if t.started is None:
@@ -220,7 +247,7 @@ class KVSender:
                     _, layer, job = item
                     peer = self.peers.get(job.peer_id)
                     if peer is not None:
-                        peer.write_layer(job.request_id, layer, job.src, job.dst, self.own[layer])
+                        peer.write_layer(job, layer, self.own[layer])
                 elif kind == "ctl":
                     _, peer_id, msg = item
                     peer = self.peers.get(peer_id)
