@@ -70,6 +70,15 @@ def make_caches(cfg: ModelConfig, num_slots: int, factory=None) -> list[torch.Te
     return list(cache.unbind(0))
 
 
+def ship(sender: KVSender, peer_id: int, rid: str, layers: int, tokens: int, blocks, dst_blocks):
+    """One request's KV through `sender`: every layer queued, then its `KVDone`."""
+    sender.add_request(rid, KVDest(peer_id, dst_blocks, 0))
+    sender.begin_step(_Plan(_Req(rid, tokens), tokens), {rid: blocks})
+    for layer in range(layers):
+        sender.on_layer(layer)
+    sender.finish(rid, first_token=1)
+
+
 def sender_seconds(cfg, layout, tokens, block_size, peer_endpoint, own, dst_blocks) -> float:
     """Time one request's KV through a KVSender: all layers queued, then flushed and signalled.
     Its blocks are 0, 1, 2... here and `dst_blocks` at the destination."""
@@ -78,14 +87,8 @@ def sender_seconds(cfg, layout, tokens, block_size, peer_endpoint, own, dst_bloc
     blocks = list(range(tokens // block_size))
     times = []
     for i in range(4):
-        rid = f"r{i}"
-        sender.add_request(rid, KVDest(peer_endpoint.worker_id, dst_blocks, 0))
-        req = _Req(rid, tokens)
         t0 = time.perf_counter()
-        sender.begin_step(_Plan(req, tokens), {rid: blocks})
-        for layer in range(cfg.num_layers):
-            sender.on_layer(layer)
-        sender.finish(rid, first_token=1)
+        ship(sender, peer_endpoint.worker_id, f"r{i}", cfg.num_layers, tokens, blocks, dst_blocks)
         sender.flush()
         times.append(time.perf_counter() - t0)
     return min(times)
@@ -126,13 +129,8 @@ def tcp_seconds(cfg, model, layout, tokens, block_size, own) -> float:
     blocks = list(range(tokens // block_size))
     times = []
     for i in range(4):
-        rid = f"t{i}"
-        sender.add_request(rid, KVDest(endpoint.worker_id, blocks, 0))
         t0 = time.perf_counter()
-        sender.begin_step(_Plan(_Req(rid, tokens), tokens), {rid: blocks})
-        for layer in range(cfg.num_layers):
-            sender.on_layer(layer)
-        sender.finish(rid, first_token=1)
+        ship(sender, endpoint.worker_id, f"t{i}", cfg.num_layers, tokens, blocks, blocks)
         times.append(parent.recv() - t0)  # same host: perf_counter is one clock
     proc.join(timeout=30)
     return min(times)
