@@ -79,10 +79,19 @@ def ship(sender: KVSender, peer_id: int, rid: str, layers: int, tokens: int, blo
     sender.finish(rid, first_token=1)
 
 
+KEY = b"benchmark-key" * 2  # the deployment secret both ends share
+
+
+def every_block(caches, block_size: int):
+    """A receiver's reservation lookup that lets every request write anywhere (a benchmark)."""
+    blocks = list(range(caches[0].shape[1] // block_size))
+    return lambda request_id: blocks
+
+
 def sender_seconds(cfg, layout, tokens, block_size, peer_endpoint, own, dst_blocks) -> float:
     """Time one request's KV through a KVSender: all layers queued, then flushed and signalled.
     Its blocks are 0, 1, 2... here and `dst_blocks` at the destination."""
-    sender = KVSender(0, own, block_size, layout)
+    sender = KVSender(0, own, block_size, layout, KEY)
     sender.add_peer(peer_endpoint)
     blocks = list(range(tokens // block_size))
     times = []
@@ -104,7 +113,9 @@ def _tcp_receiver(cfg_path, block_size, tokens, conn):
         "tcp://127.0.0.1:0",
         None,
         layout_of(cfg, block_size),
-        accepting=lambda rid: True,
+        reservation=every_block(caches, block_size),
+        key=KEY,
+        max_tokens=tokens,
     )
     conn.send(recv.endpoint())
     done_count = 0
@@ -124,7 +135,7 @@ def tcp_seconds(cfg, model, layout, tokens, block_size, own) -> float:
     )
     proc.start()
     endpoint = parent.recv()
-    sender = KVSender(0, own, block_size, layout)
+    sender = KVSender(0, own, block_size, layout, KEY)
     sender.add_peer(endpoint)
     blocks = list(range(tokens // block_size))
     times = []
@@ -160,9 +171,11 @@ def exposed_seconds(model: str, tokens: int, block_size: int) -> dict:
         f"ipc://{tempfile.mkdtemp()}/kv",
         paths[0],
         layout,
-        accepting=lambda rid: True,
+        reservation=every_block(peer_caches, block_size),
+        key=KEY,
+        max_tokens=tokens,
     )
-    sender = KVSender(0, runner.kv_caches, block_size, layout)
+    sender = KVSender(0, runner.kv_caches, block_size, layout, KEY)
     sender.add_peer(recv.endpoint())
     runner.add_layer_hook(sender.on_layer)
     rng = np.random.default_rng(0)
@@ -227,7 +240,9 @@ def main() -> None:
         f"ipc://{tempfile.mkdtemp()}/kv",
         paths[0],
         layout,
-        accepting=lambda rid: True,
+        reservation=every_block(peer, a.block_size),
+        key=KEY,
+        max_tokens=a.tokens,
     )
     # the request's blocks in order on both sides (one stretch: copied in place), then scattered
     # over the decode cache (every block its own stretch: gathered and scattered)

@@ -317,6 +317,28 @@ class EngineArgs:
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """What one API request may ask for: checked before any work is done (a 400 beyond).
+
+    The HTTP layer bounds the rest: the body size (`ServerConfig.max_body_bytes`, 413) and the
+    request head (431); token counts are bounded by the model's context."""
+
+    max_n: int = 128  # completions per prompt (`n`, `best_of`)
+    max_prompts: int = 256  # prompts in one /v1/completions request
+    max_sequences: int = 512  # prompts x n: the core requests one API request may start
+    max_stop: int = 16  # stop strings
+    max_stop_chars: int = 1000  # characters in one stop string
+    max_stop_token_ids: int = 256
+    max_logprobs: int = 20  # `logprobs` / `top_logprobs`
+    max_messages: int = 4096  # chat messages
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            _require(value >= 1, f.name, value, "must be >= 1")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """HTTP frontend settings. Binds 127.0.0.1 unless told otherwise."""
 
@@ -328,6 +350,9 @@ class ServerConfig:
     max_waiting_requests: int | None = None  # 503 beyond this many requests not yet started
     queue_timeout_s: float | None = None  # 503 for a request unscheduled this long
     max_body_bytes: int = 16 << 20
+    max_header_bytes: int = 64 << 10  # request line + headers; 431 beyond
+    public_metrics: bool = False  # with an API key: serve /metrics without it
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, "port", self.port, "must be in [0, 65535]")
@@ -344,6 +369,12 @@ class ServerConfig:
             "must be > 0",
         )
         _require(self.max_body_bytes > 0, "max_body_bytes", self.max_body_bytes, "must be > 0")
+        _require(
+            self.max_header_bytes >= 1024,
+            "max_header_bytes",
+            self.max_header_bytes,
+            "must be >= 1024",
+        )
 
 
 @dataclass(frozen=True)

@@ -40,11 +40,20 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _check(self.n >= 1, "n", self.n, "must be >= 1")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            _check(
+                isinstance(value, (int, float)) and math.isfinite(value),
+                name,
+                value,
+                "must be a finite number",
+            )
+        _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
         _check(
-            math.isfinite(self.temperature) and self.temperature >= 0,
-            "temperature",
-            self.temperature,
-            "must be >= 0",
+            self.seed is None or -(2**63) <= self.seed < 2**63,
+            "seed",
+            self.seed,
+            "must be a 64-bit signed integer",
         )
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
         _check(self.top_k >= -1, "top_k", self.top_k, "must be -1, 0 (disabled) or >= 1")
@@ -93,15 +102,27 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             "must be non-negative token ids",
         )
         _check(
-            self.logprobs is None or 0 <= self.logprobs <= 20,
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             "logprobs",
             self.logprobs,
-            "must be in [0, 20]",
+            f"must be in [0, {MAX_LOGPROBS}]",
         )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+# The engine's own bound on top logprobs per token (the server's default limit is lower).
+MAX_LOGPROBS = 1024
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 def _check(ok: bool, name: str, value: object, why: str) -> None:

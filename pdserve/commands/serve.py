@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from pdserve.commands.engine_args import add_engine_arguments, engine_args_from
+from pdserve.config import RequestLimits
 
 HELP = "serve a model over an OpenAI-compatible HTTP API"
 
@@ -37,7 +38,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="end a request with 503 if it is not scheduled within this time",
     )
-    s.add_argument("--max-body-bytes", type=int, default=16 << 20, help="413 above this body size")
+    s.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="with --api-key: serve /metrics without the key (default: /metrics needs it)",
+    )
+    lim = p.add_argument_group(
+        "request limits (each checked before any work; a 400 beyond, 413/431 for sizes)"
+    )
+    lim.add_argument(
+        "--max-body-bytes", type=int, default=16 << 20, help="413 above this body size (16 MiB)"
+    )
+    lim.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=64 << 10,
+        help="431 above this size of request line plus headers (64 KiB)",
+    )
+    defaults = RequestLimits()
+    for flag, name, what in (
+        ("--max-n", "max_n", "completions per prompt (n, best_of)"),
+        ("--max-prompts", "max_prompts", "prompts in one /v1/completions request"),
+        ("--max-sequences", "max_sequences", "completions in one request (prompts x n)"),
+        ("--max-stop", "max_stop", "stop strings per request"),
+        ("--max-logprobs", "max_logprobs", "logprobs / top_logprobs"),
+    ):
+        default = getattr(defaults, name)
+        lim.add_argument(flag, type=int, default=default, help=f"most {what} ({default})")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--cpus", help="colocated: CPU set of the worker, e.g. 0-1")
     add_engine_arguments(p)
@@ -145,15 +172,12 @@ def disagg_config_from(args: argparse.Namespace):
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def server_config_from(args: argparse.Namespace):
     import os
 
-    import uvicorn
-
     from pdserve.config import ServerConfig
-    from pdserve.server.api import build_app
 
-    config = ServerConfig(
+    return ServerConfig(
         host=args.host,
         port=args.port,
         api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"),
@@ -162,16 +186,57 @@ def run(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         queue_timeout_s=args.queue_timeout,
         max_body_bytes=args.max_body_bytes,
+        max_header_bytes=args.max_header_bytes,
+        public_metrics=args.public_metrics,
+        limits=RequestLimits(
+            max_n=args.max_n,
+            max_prompts=args.max_prompts,
+            max_sequences=args.max_sequences,
+            max_stop=args.max_stop,
+            max_logprobs=args.max_logprobs,
+        ),
     )
+
+
+def bind(host: str, port: int):
+    """The listening socket, bound before the model loads: a taken port fails at once."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(
+            f"invalid --port {port}: cannot listen on {host}:{port} ({e.strerror})"
+        ) from None
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pdserve.server.api import build_app
+    from pdserve.server.guard import GuardedH11Protocol
+
+    config = server_config_from(args)
+    engine_args = engine_args_from(args)
+    disagg = disagg_config_from(args)
+    sock = bind(config.host, config.port)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    app = build_app(engine_args_from(args), config, disagg=disagg_config_from(args))
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=10,
+    app = build_app(engine_args, config, disagg=disagg)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=10,
+            http=GuardedH11Protocol,
+            h11_max_incomplete_event_size=config.max_header_bytes,
+        )
     )
+    server.run(sockets=[sock])
     return 0

@@ -15,16 +15,25 @@ Two transports sit behind one interface:
 - `tcp` (across hosts): each layer's rows go as zero-copy ZMQ frames; the decode worker writes them
   into its cache between its own steps.
 A GPU transport (CUDA IPC, NCCL, NIXL) would implement `_Peer.write_layer` the same way.
+
+Trust: every message on the KV channel carries a keyed tag (the deployment secret) over its
+envelope, its slot list and its data length, and a sequence number; the receiver drops and counts
+anything else, and writes rows only into the blocks it reserved for that request. The rows
+themselves are not tagged (that would cost more than the transfer): a peer that can alter traffic
+in flight on the network could corrupt a request's KV, nothing else. The shm file is private to
+the user (0600, in a 0700 directory).
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
-import uuid
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,32 +44,38 @@ import zmq
 
 from pdserve.disagg.protocol import (
     KVAborted,
-    KVControl,
     KVDest,
     KVDone,
+    KVEnvelope,
     KVLayerHeader,
     KVLayout,
     PeerEndpoint,
 )
+from pdserve.ipc.channel import MAC_BYTES, mac, private_file
 
 logger = logging.getLogger("pdserve.disagg")
 
 
 def shm_cache_factory(
-    path_holder: list[str],
+    path_holder: list[str], directory: str | None = None
 ) -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor]:
-    """A KV cache allocator backed by a file in /dev/shm (the decode side of the shm transport)."""
+    """A KV cache allocator backed by a file private to this user (the decode side of the shm
+    transport), in `directory` or the deployment's shared-memory directory."""
 
     def make(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        path = os.path.join(base or "/tmp", f"pdserve-kv-{uuid.uuid4().hex[:16]}")
         numel = int(np.prod(shape))
-        with open(path, "wb") as f:
-            f.truncate(numel * torch.empty((), dtype=dtype).element_size())
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        path = private_file(directory, "kv", size)
         path_holder.append(path)
         return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
 
     return make
+
+
+def seal(key: bytes, envelope: KVEnvelope, slots: bytes = b"", data_len: int = 0) -> bytes:
+    """The first frame of a KV channel message: tag + envelope."""
+    body = msgspec.msgpack.encode(envelope)
+    return mac(key, body, slots, data_len.to_bytes(8, "little")) + body
 
 
 def map_shm_cache(path: str, layout: KVLayout, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
@@ -93,12 +108,14 @@ class _Peer:
     sock: zmq.Socket
     cache: torch.Tensor | None  # shm: the decode worker's whole cache, mapped here
 
-    def write_layer(self, job: _StepJob, layer: int, own: torch.Tensor) -> None:
+    def write_layer(self, job: _StepJob, layer: int, own: torch.Tensor, sealer) -> None:
         """Ship one layer's new K and V rows of a request (`own`: [2, slots, H, D])."""
         if self.cache is None:  # tcp: the rows and their destination slots as frames
-            rows = own.index_select(1, job.src)
-            header = msgspec.msgpack.encode(KVLayerHeader(job.request_id, layer, len(job.dst)))
-            self.sock.send_multipart([header, job.dst.numpy(), rows.numpy()], copy=False)
+            rows = own.index_select(1, job.src).numpy()
+            dst = job.dst.numpy()
+            msg = KVLayerHeader(job.request_id, layer, len(job.dst))
+            header = sealer(msg, dst.tobytes(), rows.nbytes)
+            self.sock.send_multipart([header, dst, rows], copy=False)
         elif job.runs is not None:  # shm, long stretches: copy them in place
             target = self.cache[layer]
             for s0, d0, n in job.runs:
@@ -126,9 +143,17 @@ class _StepJob:
 
 class KVSender:
     def __init__(
-        self, worker_id: int, kv_caches: list[torch.Tensor], block_size: int, layout: KVLayout
+        self,
+        worker_id: int,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        layout: KVLayout,
+        key: bytes,
     ) -> None:
         self.worker_id = worker_id
+        self.key = key
+        self.epoch = secrets.randbits(63)
+        self.seq = 0  # only the transfer thread sends
         self.own = kv_caches  # per layer [2, slots, H, D]
         self.block_size = block_size
         self.layout = layout
@@ -238,6 +263,10 @@ class KVSender:
             raise RuntimeError(self.error)
 
     # -- the transfer thread --
+    def _seal(self, msg, slots: bytes = b"", data_len: int = 0) -> bytes:
+        self.seq += 1
+        return seal(self.key, KVEnvelope(self.epoch, self.seq, msg), slots, data_len)
+
     def _run(self) -> None:
         while True:
             item = self.jobs.get()
@@ -247,12 +276,12 @@ class KVSender:
                     _, layer, job = item
                     peer = self.peers.get(job.peer_id)
                     if peer is not None:
-                        peer.write_layer(job, layer, self.own[layer])
+                        peer.write_layer(job, layer, self.own[layer], self._seal)
                 elif kind == "ctl":
                     _, peer_id, msg = item
                     peer = self.peers.get(peer_id)
                     if peer is not None:
-                        peer.sock.send(msgspec.msgpack.encode(msg))
+                        peer.sock.send(self._seal(msg))
                 elif kind == "peer":
                     self._connect(item[1])
             except Exception as e:  # reported to the step loop at its next flush
@@ -267,7 +296,15 @@ class KVSender:
 
 class KVReceiver:
     """Owns the decode worker's KV channel: applies TCP layer frames to the cache and collects
-    the `KVDone` / `KVAborted` signals for the step loop."""
+    the `KVDone` / `KVAborted` signals for the step loop.
+
+    A message is used only if its tag verifies under the deployment key, its sequence number is
+    new for its sender, it is well formed, and (for layer frames) every destination slot lies in
+    a block that `reservation(request_id)` says the request holds for remote KV. Anything else is
+    dropped and counted in `dropped` by reason; nothing a peer sends can stop the worker.
+    """
+
+    MAX_EPOCHS = 64  # senders remembered for replay checks
 
     def __init__(
         self,
@@ -277,25 +314,37 @@ class KVReceiver:
         address: str,
         shm_path: str | None,
         layout: KVLayout,
-        accepting: Callable[[str], bool],
+        reservation: Callable[[str], list[int] | None],
+        key: bytes,
+        max_tokens: int,
     ) -> None:
         self.worker_id = worker_id
         self.kv_caches = kv_caches
         self.transport = transport
         self.shm_path = shm_path
         self.layout = layout
-        self.accepting = accepting  # is this request still waiting for its KV?
+        self.reservation = reservation  # the block ids a request holds for remote KV, or None
+        self.key = key
+        self.num_slots = kv_caches[0].shape[1]
+        self.row_bytes = 2 * layout.num_kv_heads * layout.head_dim * kv_caches[0].element_size()
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # A peer that sends a larger frame than any transfer can need is disconnected by ZMQ
+        # before it is buffered: one layer's rows of a whole context.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_tokens * self.row_bytes + 4096)
         if address.startswith("tcp://") and address.endswith(":0"):
             self.sock.bind(address[: -len(":0")] + ":*")
             address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         else:
             self.sock.bind(address)
+            if address.startswith("ipc://"):
+                os.chmod(address.removeprefix("ipc://"), 0o600)
         self.address = address
-        self.decoder = msgspec.msgpack.Decoder(KVControl)
+        self.decoder = msgspec.msgpack.Decoder(KVEnvelope)
+        self.last_seq: OrderedDict[int, int] = OrderedDict()  # sender epoch -> last seq
+        self.dropped: Counter[str] = Counter()
         self.num_bytes_received = 0
 
     def endpoint(self) -> PeerEndpoint:
@@ -307,27 +356,82 @@ class KVReceiver:
         done, aborted = [], []
         while self.sock.poll(0):
             frames = self.sock.recv_multipart(copy=False)
-            msg = self.decoder.decode(frames[0].buffer)
-            if isinstance(msg, KVLayerHeader):
-                self._apply(msg, frames)
-            elif isinstance(msg, KVDone):
-                done.append(msg)
-            else:
-                aborted.append(msg)
+            try:
+                msg = self._open(frames)
+                if isinstance(msg, KVLayerHeader):
+                    self._apply(msg, frames)
+                elif isinstance(msg, KVDone):
+                    done.append(msg)
+                else:
+                    aborted.append(msg)
+            except _Dropped as e:
+                self._drop(e.reason, str(e))
         return done, aborted
 
+    def _open(self, frames) -> KVDone | KVAborted | KVLayerHeader:
+        """Check a message's tag, shape and freshness; returns what it carries."""
+        if len(frames) not in (1, 3) or len(frames[0].buffer) < MAC_BYTES:
+            raise _Dropped("malformed", f"{len(frames)} frame(s)")
+        head = frames[0].buffer
+        slots = frames[1].buffer if len(frames) == 3 else b""
+        data_len = len(frames[2].buffer) if len(frames) == 3 else 0
+        tag = mac(self.key, head[MAC_BYTES:], slots, data_len.to_bytes(8, "little"))
+        if not hmac.compare_digest(tag, head[:MAC_BYTES]):
+            raise _Dropped("bad_tag", "not signed by this deployment")
+        try:
+            env = self.decoder.decode(head[MAC_BYTES:])
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise _Dropped("malformed", str(e)) from None
+        if env.seq <= self.last_seq.get(env.epoch, -1):
+            raise _Dropped("replayed", f"sequence number {env.seq} seen before")
+        self.last_seq[env.epoch] = env.seq
+        self.last_seq.move_to_end(env.epoch)
+        while len(self.last_seq) > self.MAX_EPOCHS:
+            self.last_seq.popitem(last=False)
+        if isinstance(env.msg, KVLayerHeader) != (len(frames) == 3):
+            raise _Dropped("malformed", "frames do not match the message")
+        return env.msg
+
     def _apply(self, header: KVLayerHeader, frames) -> None:
-        if not self.accepting(header.request_id):  # ended, and its blocks may be reused: drop
-            return
-        dst = torch.frombuffer(frames[1].buffer, dtype=torch.int64)
+        block_ids = self.reservation(header.request_id)
+        if block_ids is None:  # ended, and its blocks may be reused: drop
+            raise _Dropped("unknown_request", header.request_id)
+        n = header.num_tokens
+        slots_buf, rows_buf = frames[1].buffer, frames[2].buffer
+        if not (0 <= header.layer < len(self.kv_caches)) or n < 1:
+            raise _Dropped("out_of_bounds", f"layer {header.layer}, {n} tokens")
+        if len(slots_buf) != 8 * n or len(rows_buf) != n * self.row_bytes:
+            raise _Dropped("malformed", f"frame sizes do not match {n} tokens")
+        dst = np.frombuffer(slots_buf, dtype=np.int64)
+        bs = self.layout.block_size
+        if (
+            (dst < 0).any()
+            or (dst >= self.num_slots).any()
+            or not np.isin(dst // bs, block_ids).all()
+        ):
+            raise _Dropped("out_of_bounds", f"slots outside the blocks of {header.request_id}")
         cache = self.kv_caches[header.layer]
-        rows = torch.frombuffer(frames[2].buffer, dtype=cache.dtype).view(
-            2, header.num_tokens, cache.shape[2], cache.shape[3]
+        rows = torch.frombuffer(rows_buf, dtype=cache.dtype).view(
+            2, n, cache.shape[2], cache.shape[3]
         )
-        cache.index_copy_(1, dst, rows)
+        cache.index_copy_(1, torch.from_numpy(dst), rows)
         self.num_bytes_received += rows.numel() * rows.element_size()
+
+    def _drop(self, reason: str, detail: str) -> None:
+        self.dropped[reason] += 1
+        total = sum(self.dropped.values())
+        if total <= 10 or total % 1000 == 0:
+            logger.warning(
+                "KV channel: dropped a message (%s: %s; %d so far)", reason, detail, total
+            )
 
     def close(self) -> None:
         self.sock.close(linger=0)
         if self.shm_path and os.path.exists(self.shm_path):
             os.unlink(self.shm_path)
+
+
+class _Dropped(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason

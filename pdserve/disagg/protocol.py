@@ -5,6 +5,10 @@
 - `KVDest`: where a prefill worker writes one request's KV (the decode worker's reserved blocks).
 - On the KV channel (prefill -> decode, ordered): `KVLayerHeader` (+ slot and data frames, TCP
   transport only), then exactly one `KVDone` (with the first token) or `KVAborted` per request.
+  Each message travels in a `KVEnvelope` (sender epoch, sequence number) whose first frame starts
+  with a keyed tag over the envelope, the slot frame and the data frame's length
+  (`pdserve.disagg.connector`): the receiver drops what is not from this deployment, replays, and
+  writes outside the request's own reservation.
 """
 
 from __future__ import annotations
@@ -74,3 +78,12 @@ class KVAborted(msgspec.Struct, tag=True):
 
 
 KVControl = KVLayerHeader | KVDone | KVAborted
+
+
+class KVEnvelope(msgspec.Struct, array_like=True):
+    """One KV channel message with what makes it unique: the sender's epoch (random per sender
+    process) and a sequence number that grows with every message the sender sends."""
+
+    epoch: int
+    seq: int
+    msg: KVControl

@@ -35,11 +35,15 @@ def child_requests(request_id: str, params: SamplingParams) -> list[tuple[str, S
         (
             f"{request_id}#{i}",
             msgspec.structs.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i
+                params, n=1, seed=None if params.seed is None else _wrap_int64(params.seed + i)
             ),
         )
         for i in range(params.n)
     ]
+
+
+def _wrap_int64(x: int) -> int:
+    return (x + 2**63) % 2**64 - 2**63
 
 
 @dataclass(slots=True)

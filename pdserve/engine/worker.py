@@ -27,7 +27,14 @@ import msgspec
 import zmq
 
 from pdserve.config import EngineArgs
-from pdserve.ipc.channel import Decoder, Encoder, make_socket
+from pdserve.ipc.channel import (
+    BadFrame,
+    Decoder,
+    Encoder,
+    RuntimeDirs,
+    make_socket,
+    secret_from_env,
+)
 from pdserve.ipc.messages import (
     AddRequest,
     FinishRequests,
@@ -64,8 +71,10 @@ class Worker:
         worker_id: int,
         kv_transport: str = "shm",
         kv_address: str | None = None,
+        key: bytes = b"",
     ):
         self.args = args
+        self.key = key  # the deployment secret: authenticates every channel
         self.role = role
         self.worker_id = worker_id
         self.kv_transport = kv_transport
@@ -73,12 +82,14 @@ class Worker:
         self.ctx = zmq.Context()
         self.out_sock = make_socket(self.ctx, zmq.PUSH, output_addr, bind=False)
         self.in_sock = make_socket(self.ctx, zmq.PULL, input_addr, bind=False)
-        self.encode = Encoder()
-        self.decode = Decoder(ToWorker)
+        self.encode = Encoder(key)
+        self.decode = Decoder(ToWorker, key)
+        self.num_bad_frames = 0
         self.core = None
         self.sender = None  # prefill role
         self.receiver = None  # decode role
         self.running = True
+        self.orphaned = False  # the frontend died first
         self.kv_received: list[KVReceived] = []
         self.transfers: list[TransferStat] = []
 
@@ -112,7 +123,9 @@ class Worker:
         if self.role == "prefill":
             from pdserve.disagg.connector import KVSender
 
-            self.sender = KVSender(self.worker_id, runner.kv_caches, runner.block_size, layout)
+            self.sender = KVSender(
+                self.worker_id, runner.kv_caches, runner.block_size, layout, self.key
+            )
             runner.add_layer_hook(self.sender.on_layer)
         elif self.role == "decode":
             from pdserve.disagg.connector import KVReceiver
@@ -125,7 +138,9 @@ class Worker:
                 self.kv_address,
                 shm_paths[0] if shm_paths else None,
                 layout,
-                accepting=lambda rid: rid in sched.remote_waiting or rid in sched.quarantine,
+                reservation=sched.remote_block_ids,
+                key=self.key,
+                max_tokens=core.max_model_len,
             )
             endpoint = self.receiver.endpoint()
         self.send(
@@ -196,7 +211,14 @@ class Worker:
         while self.running and poller.poll(timeout_ms):
             timeout_ms = 0
             while self.running and self.in_sock.poll(0):
-                outputs += self.handle(self.decode(self.in_sock.recv(copy=False).buffer))
+                frame = self.in_sock.recv(copy=False).buffer
+                try:
+                    msg = self.decode(frame)
+                except BadFrame as e:  # not from this deployment's frontend: never fatal
+                    self.num_bad_frames += 1
+                    logger.warning("dropped a control frame: %s", e)
+                    continue
+                outputs += self.handle(msg)
                 got = True
             if self.receiver is not None:
                 outs, changed = self._poll_kv()
@@ -206,10 +228,12 @@ class Worker:
 
     def _poll_kv(self) -> tuple[list[EngineCoreOutput], bool]:
         sched = self.core.scheduler
+        num_dropped = self.receiver.dropped.total()
         done, aborted = self.receiver.poll()
         outputs = []
+        vocab = self.core.model_config.vocab_size
         for msg in done:
-            if msg.request_id in sched.remote_waiting:
+            if msg.request_id in sched.remote_waiting and 0 <= msg.first_token < vocab:
                 out = sched.finish_remote_kv(msg.request_id, msg.first_token)
                 self.kv_received.append(KVReceived(msg.request_id, msg.first_token))
                 if out is not None:
@@ -221,7 +245,7 @@ class Worker:
             RequestStatus.FINISHED_ABORTED,
         )
         sched.release_quarantine([m.request_id for m in done] + [m.request_id for m in aborted])
-        return outputs, bool(done or aborted)
+        return outputs, bool(done or aborted) or self.receiver.dropped.total() != num_dropped
 
     def expire(self) -> list[EngineCoreOutput]:
         return [
@@ -272,6 +296,7 @@ class Worker:
         while self.running:
             if os.getppid() != parent:  # the frontend is gone (even killed): do not linger
                 logger.warning("frontend exited; worker %d stops", self.worker_id)
+                self.orphaned = True
                 break
             busy = core.has_unfinished and (core.scheduler.running or core.scheduler.waiting)
             outputs, changed = self.drain(0 if busy else IDLE_POLL_MS)
@@ -322,7 +347,14 @@ class Worker:
             st.prefix_hits,
             self.core.kv.num_free_blocks(),
             queued,
+            self._dropped_frames(),
         )
+
+    def _dropped_frames(self) -> dict[str, int]:
+        dropped = dict(self.receiver.dropped) if self.receiver is not None else {}
+        if self.num_bad_frames:
+            dropped["control"] = self.num_bad_frames
+        return dropped
 
     def close(self) -> None:
         if self.core is not None:
@@ -333,6 +365,8 @@ class Worker:
         self.in_sock.close()
         self.out_sock.close()
         self.ctx.term()
+        if self.orphaned:  # nobody else will remove the deployment's sockets and files
+            RuntimeDirs.remove_from_env()
 
 
 def pin_cpus(cpus: str | None) -> None:
@@ -365,7 +399,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     pin_cpus(a.cpus)
     args = msgspec.json.decode(a.engine_args, type=EngineArgs)
-    worker = Worker(args, a.input, a.output, a.role, a.worker_id, a.kv_transport, a.kv_address)
+    worker = Worker(
+        args,
+        a.input,
+        a.output,
+        a.role,
+        a.worker_id,
+        a.kv_transport,
+        a.kv_address,
+        key=secret_from_env(),
+    )
     # The frontend coordinates shutdown: a terminal's Ctrl-C reaches the whole process group,
     # so ignore it here; SIGTERM stops the loop cleanly.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

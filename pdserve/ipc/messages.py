@@ -95,6 +95,9 @@ class WorkerState(msgspec.Struct, array_like=True):
     prefix_hits: int
     num_free_blocks: int = 0
     queued_prefill_tokens: int = 0  # prompt tokens not yet computed (router load signal)
+    # Frames dropped since the worker started, by reason: "control" (a control frame that is not
+    # from the frontend) and the KV channel's reasons (see `KVReceiver`).
+    dropped_frames: dict[str, int] = {}
 
 
 class KVReservation(msgspec.Struct, array_like=True):

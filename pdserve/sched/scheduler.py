@@ -116,6 +116,14 @@ class Scheduler:
             ended.append(request)
         return ended
 
+    def remote_block_ids(self, request_id: str) -> list[int] | None:
+        """The blocks a request holds for KV that a prefill worker sends (None: it holds none,
+        so nothing may be written for it)."""
+        if request_id in self.remote_waiting:
+            return self.kv.block_ids(request_id)
+        held = self.quarantine.get(request_id)
+        return None if held is None else [b.block_id for b in held]
+
     def release_quarantine(self, request_ids: Iterable[str]) -> None:
         """The sender of these requests' KV stopped writing: their held blocks go back."""
         for rid in request_ids:

@@ -10,14 +10,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -33,17 +35,24 @@ from pdserve.server.engine_client import (
 )
 from pdserve.server.errors import (
     APIError,
+    SafeJSONResponse,
     api_error_handler,
     error_body,
-    error_response,
     from_value_error,
     http_error_handler,
     internal_error_handler,
     validation_handler,
 )
+from pdserve.server.guard import GuardMiddleware
+from pdserve.server.limits import check_request
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.types import RequestOutput, SamplingParams
+
+logger = logging.getLogger("pdserve.server")
+# Tokenization and chat templates run here, off the event loop: a huge prompt never stalls the
+# other requests and streams (the tokenizer releases the GIL while it encodes).
+NUM_TOKENIZER_THREADS = 4
 
 
 class ServerState:
@@ -53,7 +62,10 @@ class ServerState:
         self.engine_args = engine_args
         self.config = config
         self.tokenizer = tokenizer
-        self.model_name = config.served_model_name or engine_args.model
+        self.model_name = config.served_model_name or default_model_name(engine_args.model)
+        self.tokenize_pool = ThreadPoolExecutor(
+            NUM_TOKENIZER_THREADS, thread_name_prefix="pdserve-tokenize"
+        )
         self.metrics = ServerMetrics()
         specs = [
             WorkerSpec(role, args, cpus) for role, args, cpus in worker_specs(engine_args, disagg)
@@ -79,6 +91,10 @@ class ServerState:
         self.num_unstarted = 0  # requests sent that have produced no token yet
 
     # ---- input ----------------------------------------------------------------------------
+    async def off_loop(self, fn: Callable, *args):
+        """Run a blocking call (tokenization, a chat template) in the tokenizer threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.engine_args.model):
             raise APIError(
@@ -219,6 +235,11 @@ class Admission:
         self.remaining = 0
 
 
+def default_model_name(model_path: str) -> str:
+    """The id a model is served under by default: its folder's name."""
+    return Path(model_path).resolve().name or model_path
+
+
 def _sampling_params(body) -> SamplingParams:
     for name in ("suffix",):
         if getattr(body, name, None):
@@ -303,58 +324,6 @@ async def _merged(
             t.cancel()
 
 
-class GuardMiddleware:
-    """API key on /v1 routes and the body size limit, as plain ASGI (it leaves the receive
-    channel alone, so handlers still see the client's disconnect)."""
-
-    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or ())
-        authorized = headers.get(b"authorization", b"") == f"Bearer {self.api_key}".encode()
-        if self.api_key and scope["path"].startswith("/v1") and not authorized:
-            resp = error_response(
-                401, "missing or invalid API key (Authorization: Bearer)", code="invalid_api_key"
-            )
-            return await resp(scope, receive, send)
-        length = headers.get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            return await self._too_large(scope, receive, send)
-        received = 0
-        started = False
-
-        async def counting_receive():  # a chunked body has no Content-Length to check
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise _BodyTooLarge
-            return message
-
-        async def tracking_send(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counting_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await self._too_large(scope, receive, send)
-
-    async def _too_large(self, scope, receive, send):
-        resp = error_response(413, f"request body over the {self.max_body_bytes}-byte limit")
-        await resp(scope, receive, send)
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
 def build_app(
     engine_args: EngineArgs,
     config: ServerConfig,
@@ -376,8 +345,14 @@ def build_app(
             yield
         finally:
             await state.client.shutdown()
+            state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="pdserve", version=pdserve.__version__, lifespan=lifespan)
+    app = FastAPI(
+        title="pdserve",
+        version=pdserve.__version__,
+        lifespan=lifespan,
+        default_response_class=SafeJSONResponse,
+    )
     app.state.pdserve = state
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_handler)
@@ -385,18 +360,18 @@ def build_app(
     app.add_exception_handler(Exception, internal_error_handler)
 
     app.add_middleware(
-        GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes
+        GuardMiddleware,
+        api_key=config.api_key,
+        max_body_bytes=config.max_body_bytes,
+        public_metrics=config.public_metrics,
     )
 
     @app.get("/health")
     async def health():
         client = state.client
-        workers = [
-            {"id": w.worker_id, "role": w.role, "alive": w.alive, "pid": w.proc.pid}
-            for w in client.workers
-        ]
+        workers = [{"id": w.worker_id, "role": w.role, "alive": w.alive} for w in client.workers]
         if not client.healthy:
-            return JSONResponse(
+            return SafeJSONResponse(
                 {**error_body(503, f"unhealthy: {client.dead_reason}"), "workers": workers},
                 status_code=503,
             )
@@ -431,9 +406,10 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        check_request(body, await request.body(), config.limits)
         state.check_model(body.model)
         params = _sampling_params(body)
-        prompts = state.tokenize_prompts(body.prompt)
+        prompts = await state.off_loop(state.tokenize_prompts, body.prompt)
         jobs = []
         rid = f"cmpl-{uuid.uuid4().hex}"
         for i, (text, ids) in enumerate(prompts):
@@ -461,9 +437,11 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_request(body, await request.body(), config.limits)
         state.check_model(body.model)
         params = _sampling_params(body)
-        ids = state.prepare(state.render_chat(body), params, body.truncate_prompt_tokens)
+        ids = await state.off_loop(state.render_chat, body)
+        ids = state.prepare(ids, params, body.truncate_prompt_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = [(rid, None, ids, params)]
         outs = await _run(state, request, rid, jobs, body, chat=True)
@@ -497,7 +475,7 @@ async def _run(
     return Response(status_code=499) if outs is None else outs
 
 
-def _final(state: ServerState, kind: str, rid: str, choices, outs, n_out: int) -> JSONResponse:
+def _final(state: ServerState, kind: str, rid: str, choices, outs, n_out: int) -> SafeJSONResponse:
     n_prompt = sum(len(o.prompt_token_ids) for o in outs)
     cached = sum(o.metrics.num_cached_tokens for o in outs if o.metrics)
     m = fmt.first_metrics(outs)
@@ -509,7 +487,7 @@ def _final(state: ServerState, kind: str, rid: str, choices, outs, n_out: int) -
         usage=fmt.usage(n_prompt, n_out, cached),
         timings=fmt.timings(m),
     )
-    return JSONResponse(body, headers=fmt.timing_headers(m))
+    return SafeJSONResponse(body, headers=fmt.timing_headers(m))
 
 
 def _stream_response(
@@ -575,6 +553,9 @@ def _stream_response(
                 )
         except APIError as e:
             yield _sse(error_body(e.status, e.message, e.param, e.code))
+        except Exception as e:  # a bug: the client still gets an error event and the end
+            logger.exception("stream %s failed", rid)
+            yield _sse(error_body(500, f"internal error: {type(e).__name__}"))
         yield "data: [DONE]\n\n"
 
     async def guarded() -> AsyncIterator[str]:

@@ -41,7 +41,15 @@ from pdserve.config import EngineArgs
 from pdserve.disagg.protocol import KVDest
 from pdserve.disagg.router import Router
 from pdserve.engine.output_processor import OutputProcessor
-from pdserve.ipc.channel import Decoder, Encoder, ipc_address, make_socket
+from pdserve.ipc.channel import (
+    SECRET_ENV,
+    BadFrame,
+    Decoder,
+    Encoder,
+    RuntimeDirs,
+    make_socket,
+    new_secret,
+)
 from pdserve.ipc.messages import (
     AddRequest,
     FinishRequests,
@@ -142,10 +150,13 @@ class EngineClient:
         self.restart_workers = restart_workers
         self.metrics = metrics
         self.ctx = zmq.asyncio.Context()
-        self.output_addr = ipc_address("out")
+        self.dirs = RuntimeDirs()  # private; removed in `shutdown`
+        self.secret = new_secret()  # authenticates every channel of this deployment
+        self.output_addr = self.dirs.address("out")
         self.pull = make_socket(self.ctx, zmq.PULL, self.output_addr, bind=True)
-        self.encode = Encoder()
-        self.decode = Decoder(FromWorker)
+        self.encode = Encoder(self.secret)
+        self.decode = Decoder(FromWorker, self.secret)
+        self.num_bad_frames = 0
         self.workers: list[WorkerHandle] = []
         self.processor = OutputProcessor(tokenizer)
         self.streams: dict[str, _Stream] = {}
@@ -177,7 +188,7 @@ class EngineClient:
         ]
 
     def _spawn(self, worker_id: int, spec: WorkerSpec) -> WorkerHandle:
-        input_addr = ipc_address(f"in{worker_id}")
+        input_addr = self.dirs.address(f"in{worker_id}")
         sock = make_socket(self.ctx, zmq.PUSH, input_addr, bind=True)
         cmd = [
             sys.executable,
@@ -198,14 +209,15 @@ class EngineClient:
         ]
         if spec.role == "decode":
             kv_addr = (
-                ipc_address(f"kv{worker_id}")
+                self.dirs.address(f"kv{worker_id}")
                 if self.disagg.kv_transport == "shm"
                 else f"tcp://{self.disagg.kv_host}:0"
             )
             cmd += ["--kv-address", kv_addr]
         if spec.cpus:
             cmd += ["--cpus", spec.cpus]
-        proc = subprocess.Popen(cmd, env=os.environ.copy())
+        env = {**os.environ, **self.dirs.env(), SECRET_ENV: self.secret.hex()}
+        proc = subprocess.Popen(cmd, env=env)
         return WorkerHandle(worker_id, spec, proc, sock)
 
     async def _wait_ready(self, ids: list[int], timeout_s: float) -> None:
@@ -224,7 +236,7 @@ class EngineClient:
                         "while starting (see its log above)"
                     )
             if await self.pull.poll(200):
-                msg = self.decode(await self.pull.recv())
+                msg = self._receive(await self.pull.recv())
                 if isinstance(msg, WorkerInfo) and msg.worker_id in pending:
                     self.workers[msg.worker_id].info = msg
                     pending.discard(msg.worker_id)
@@ -302,6 +314,7 @@ class EngineClient:
             w.sock.close()
         self.pull.close()
         self.ctx.term()
+        self.dirs.remove()
 
     @staticmethod
     def _cleanup_shm(w: WorkerHandle) -> None:
@@ -311,9 +324,23 @@ class EngineClient:
                 os.unlink(ep.shm_path)
 
     # ---- background tasks ----------------------------------------------------------------
+    def _receive(self, frame: bytes):
+        """A worker's message, or None for a frame that is not one (counted, logged, dropped)."""
+        try:
+            msg = self.decode(frame)
+            if not 0 <= msg.worker_id < len(self.workers):
+                raise BadFrame(f"a message from unknown worker {msg.worker_id}")
+        except BadFrame as e:
+            self.num_bad_frames += 1
+            logger.warning("dropped a frame on the worker output channel: %s", e)
+            if self.metrics is not None:
+                self.metrics.dropped_frames.labels("frontend", "-", "control").inc()
+            return None
+        return msg
+
     async def _output_loop(self) -> None:
         while True:
-            msg = self.decode(await self.pull.recv())
+            msg = self._receive(await self.pull.recv())
             if isinstance(msg, StepOutputs):
                 self._on_outputs(msg)
             elif isinstance(msg, WorkerInfo):

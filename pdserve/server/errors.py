@@ -6,6 +6,8 @@ being gone (503) or a bug (500).
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 
 from fastapi import Request
@@ -13,12 +15,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.server.protocol import UnknownFieldError
+
+logger = logging.getLogger("pdserve.server")
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",
@@ -46,8 +53,19 @@ def error_body(
     }
 
 
-def error_response(status: int, message: str, param=None, code=None, headers=None) -> JSONResponse:
-    return JSONResponse(
+class SafeJSONResponse(JSONResponse):
+    """JSON that always renders: text that cannot be encoded (a lone surrogate echoed from a
+    request) is escaped instead of failing the response."""
+
+    def render(self, content) -> bytes:
+        text = json.dumps(content, ensure_ascii=False, separators=(",", ":"))
+        return text.encode("utf-8", "backslashreplace")
+
+
+def error_response(
+    status: int, message: str, param=None, code=None, headers=None
+) -> SafeJSONResponse:
+    return SafeJSONResponse(
         error_body(status, message, param, code), status_code=status, headers=headers
     )
 
@@ -64,6 +82,10 @@ def from_value_error(e: ValueError) -> APIError:
 def _describe(err: dict) -> tuple[str, str | None]:
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     field = ".".join(loc) or None
+    cause = err.get("ctx", {}).get("error")
+    if isinstance(cause, UnknownFieldError):
+        path = ".".join([*loc, cause.field])
+        return f"unsupported field '{path}': pdserve does not implement it", path
     if err.get("type") == "json_invalid":
         return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
     if err.get("type") == "missing":
@@ -95,4 +117,5 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> J
 
 
 async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
     return error_response(500, f"internal error: {type(exc).__name__}")

@@ -119,6 +119,14 @@ class ServerMetrics:
             LABELS,
             registry=r,
         )
+        self.dropped_frames = Counter(
+            "pdserve_dropped_frames",
+            "frames a worker dropped: not from this deployment, malformed, replayed, or KV "
+            "rows outside the request's reservation",
+            (*LABELS, "reason"),
+            registry=r,
+        )
+        self._dropped_seen: dict[tuple[str, str, str], int] = {}
         self.worker_up = Gauge(
             "pdserve_worker_up", "1 while the worker process lives", LABELS, registry=r
         )
@@ -139,6 +147,11 @@ class ServerMetrics:
         if worker.role == "prefill":
             self.kv_exposed.labels(*lab).set(msg.kv_exposed_s)
         st = msg.state
+        for reason, total in st.dropped_frames.items():  # cumulative in the worker
+            seen = self._dropped_seen.get((*lab, reason), 0)
+            if total > seen:
+                self.dropped_frames.labels(*lab, reason).inc(total - seen)
+                self._dropped_seen[(*lab, reason)] = total
         self.running.labels(*lab).set(st.num_running)
         self.waiting.labels(*lab).set(st.num_waiting)
         self.kv_usage.labels(*lab).set(st.kv_usage)
@@ -174,6 +187,8 @@ class ServerMetrics:
         if not up:  # a dead worker holds nothing: its queue and KV gauges drop to zero
             for gauge in (self.running, self.waiting, self.kv_usage):
                 gauge.labels(*lab).set(0)
+            for key in [k for k in self._dropped_seen if k[:2] == lab]:
+                del self._dropped_seen[key]  # a restarted worker counts from zero
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

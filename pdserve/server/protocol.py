@@ -1,53 +1,86 @@
 """OpenAI-compatible request bodies (pydantic: FastAPI validates them and serves their schema).
 
 Fields follow the OpenAI API; engine extras follow vLLM (`top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`, `min_tokens`, `stop_token_ids`, `truncate_prompt_tokens`). Unknown fields are
-ignored. `to_sampling_params` turns a body into `SamplingParams`, whose own validation names the
-field and the value of any bad setting.
+`ignore_eos`, `min_tokens`, `stop_token_ids`, `truncate_prompt_tokens`). Every integer is bounded
+to what the engine can represent, so an absurd value is a 400, never an overflow deeper down. A
+field pdserve does not know is a 400 naming it, except the metadata fields in `IGNORED_FIELDS`,
+which are accepted and ignored. `to_sampling_params` turns a body into `SamplingParams`, whose own
+validation names the field and the value of any bad setting; the configurable per-request limits
+(`--max-n`, ...) are checked in `pdserve.server.limits` before any work is done.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from pdserve.types import SamplingParams
 
-TokenIds = list[StrictInt]
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+Int32 = Annotated[StrictInt, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
+Count = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]  # how many of something
+Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenIds = list[StrictInt]  # checked against the vocabulary before any work
+
+# OpenAI request metadata with no effect on generation: accepted and ignored (documented).
+IGNORED_FIELDS = frozenset(
+    {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"}
+)
 
 
-class StreamOptions(BaseModel):
+class UnknownFieldError(ValueError):
+    def __init__(self, field: str) -> None:
+        super().__init__(f"unsupported field '{field}': pdserve does not implement it")
+        self.field = field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _no_unknown_fields(self):
+        for name in self.model_extra or {}:
+            if name not in IGNORED_FIELDS:
+                raise UnknownFieldError(name)
+        return self
+
+
+class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
-class _SamplingBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class _SamplingBody(_Body):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: StrictInt = 1
+    n: Count = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: StrictInt | None = None
+    seed: Int64 | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: str | None = None
     # vLLM-style extras
-    top_k: StrictInt | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: StrictBool = False
-    min_tokens: StrictInt = 0
-    stop_token_ids: list[StrictInt] | None = None
-    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+    min_tokens: Count = 0
+    stop_token_ids: list[Int32] | None = None
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
 
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("invalid stream_options: only allowed when stream is true")
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -60,7 +93,7 @@ class _SamplingBody(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
-            stop=stop,
+            stop=self.stop_list,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -71,11 +104,11 @@ class _SamplingBody(BaseModel):
 
 class CompletionRequest(_SamplingBody):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: StrictInt | None = 16
-    logprobs: StrictInt | None = None
+    max_tokens: Int32 | None = 16
+    logprobs: Int32 | None = None
     echo: StrictBool = False
     suffix: str | None = None
-    best_of: StrictInt | None = None
+    best_of: Count | None = None
     logit_bias: dict[str, float] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
@@ -103,15 +136,20 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingBody):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
+    max_tokens: Int32 | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: Int32 | None = None
     add_generation_prompt: StrictBool = True
     tools: list[Any] | None = None
     logit_bias: dict[str, float] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise ValueError("invalid top_logprobs: needs logprobs set to true")
+            if self.top_logprobs < 0:
+                raise ValueError(f"invalid top_logprobs={self.top_logprobs}: must be >= 0")
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(max_tokens, logprobs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import os
 import re
 import signal
@@ -51,6 +53,48 @@ class Server:
         usage = self.metric("pdserve_kv_cache_usage_ratio")
         raise AssertionError(f"not idle: running={running} waiting={waiting} kv_usage={usage}")
 
+    def worker_pids(self) -> dict[tuple[str, int], int]:
+        """(role, worker id) -> pid of every engine worker process (the server's children).
+        The server does not publish PIDs; the tests find them the way an operator would."""
+        found = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    argv = f.read().decode().split("\0")
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == self.proc.pid and "pdserve.engine.worker" in argv:
+                role = argv[argv.index("--role") + 1]
+                found[(role, int(argv[argv.index("--worker-id") + 1]))] = int(entry)
+        return found
+
+    def worker_pid(self, role: str, index: int = 0) -> int:
+        """The pid of the `index`-th live worker of a role, by worker id."""
+        return [pid for (r, _), pid in sorted(self.worker_pids().items()) if r == role][index]
+
+    def listening_tcp_ports(self, pid: int) -> list[int]:
+        """The TCP ports a process listens on (from /proc: its socket inodes in /proc/net/tcp)."""
+        inodes = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+        ports = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                for line in f.readlines()[1:]:
+                    cols = line.split()
+                    if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                        ports.append(int(cols[1].rsplit(":", 1)[1], 16))
+        return ports
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -63,7 +107,11 @@ class Server:
 
 
 def start_server(
-    model: str, *extra: str, timeout_s: float = 120.0, env: dict | None = None
+    model: str,
+    *extra: str,
+    timeout_s: float = 120.0,
+    env: dict | None = None,
+    umask: int = -1,
 ) -> Server:
     port = free_port()
     cmd = [
@@ -79,17 +127,46 @@ def start_server(
         "warning",
         *extra,
     ]
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        cmd,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,  # a Ctrl-C reaches pytest, which stops the server itself
+        preexec_fn=_die_with_parent,
+        umask=umask,
+    )
     server = Server(proc, port)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    server.stop()
-    raise RuntimeError("server did not become healthy")
+    _started.append(server)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with code {proc.returncode}")
+            try:
+                if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+                    return server
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server did not become healthy")
+    except BaseException:  # a failed start, or a Ctrl-C while it loads: leave nothing running
+        server.stop()
+        raise
+
+
+_started: list[Server] = []
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Whatever a test left running (an interrupted run) is stopped when pytest exits."""
+    for server in _started:
+        server.stop()
+
+
+def _die_with_parent() -> None:
+    """In the server process: SIGTERM it if pytest dies first (even by SIGKILL)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+PR_SET_PDEATHSIG = 1

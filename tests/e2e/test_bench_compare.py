@@ -83,7 +83,7 @@ def test_compare_runs_the_same_workload_on_each_deployment(stories_path, tmp_pat
     configs = {
         "fast": {"serve": fake_serve(fast_port, 10, stories_path),
                  "base_url": f"http://127.0.0.1:{fast_port}"},
-        "slow": {"serve": fake_serve(slow_port, 60, stories_path),
+        "slow": {"serve": fake_serve(slow_port, 400, stories_path),
                  "base_url": f"http://127.0.0.1:{slow_port}", "startup_timeout_s": 30},
         "missing": {"serve": [sys.executable, "-c", "raise SystemExit(1)"],
                     "base_url": f"http://127.0.0.1:{free_port()}"},
@@ -95,7 +95,7 @@ def test_compare_runs_the_same_workload_on_each_deployment(stories_path, tmp_pat
         argv += ["--config", str(path)]
     out, plots = tmp_path / "cmp.json", tmp_path / "plots"
     argv += ["--num-requests", "6", "--input-len", "30", "--output-len", "4",
-             "--slo", "ttft_ms=40", "--output", str(out), "--plot", str(plots),
+             "--slo", "ttft_ms=200", "--output", str(out), "--plot", str(plots),
              "--log-dir", str(tmp_path / "logs")]  # fmt: skip
     assert main(argv) == 1  # one deployment could not start
     data = json.loads(out.read_text())

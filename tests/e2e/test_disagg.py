@@ -156,11 +156,6 @@ def test_short_prompts_prefilled_on_the_decode_worker(stories_path, offline):
         s.stop()
 
 
-def _worker_pid(server, role: str, index: int = 0) -> int:
-    workers = httpx.get(server.url + "/health").json()["workers"]
-    return [w["pid"] for w in workers if w["role"] == role][index]
-
-
 def test_prefill_worker_killed_mid_transfer_recomputes_on_decode(stories_path, offline):
     s = start_server(
         stories_path,
@@ -176,7 +171,7 @@ def test_prefill_worker_killed_mid_transfer_recomputes_on_decode(stories_path, o
         t.start()
         time.sleep(0.8)  # a few 8-token chunks in: some layers' KV already sent
         assert s.metric("pdserve_kv_transfer_bytes_total") == 0  # not finished yet
-        os.kill(_worker_pid(s, "prefill"), signal.SIGKILL)
+        os.kill(s.worker_pid("prefill"), signal.SIGKILL)
         t.join(timeout=60)
         assert result["choices"][0]["text"] == expected(offline, STORY)[0]
         assert s.metric("pdserve_kv_transfer_fallbacks_total", 'reason="prefill_dead"') == 1
@@ -212,7 +207,7 @@ def test_prefill_failure_can_fail_the_request(stories_path):
         t = threading.Thread(target=run)
         t.start()
         time.sleep(0.8)
-        os.kill(_worker_pid(s, "prefill"), signal.SIGKILL)
+        os.kill(s.worker_pid("prefill"), signal.SIGKILL)
         t.join(timeout=30)
         assert box["r"].status_code == 503
         assert "prefill worker" in box["r"].json()["error"]["message"]
@@ -278,10 +273,7 @@ def test_decode_worker_killed_fails_its_requests_and_restarts(stories_path, offl
         t = threading.Thread(target=run)
         t.start()
         time.sleep(0.5)
-        victim = next(
-            w for w in httpx.get(s.url + "/health").json()["workers"] if w["role"] == "decode"
-        )
-        os.kill(victim["pid"], signal.SIGKILL)
+        os.kill(s.worker_pid("decode"), signal.SIGKILL)
         t.join(timeout=30)
         # The request either already ran on the other decode worker or ends with a clear 503.
         if box["r"].status_code != 200:

@@ -262,7 +262,7 @@ def test_queue_timeout_503(stories_path):
 def test_dead_worker_fails_requests_clearly_without_hanging(stories_path):
     s = start_server(stories_path)
     try:
-        pid = httpx.get(s.url + "/health").json()["workers"][0]["pid"]
+        pid = s.worker_pid("both")
         result = {}
 
         def stream():
@@ -292,7 +292,7 @@ def test_dead_worker_fails_requests_clearly_without_hanging(stories_path):
 
 def test_sigterm_shuts_down_cleanly(stories_path):
     s = start_server(stories_path)
-    pid = httpx.get(s.url + "/health").json()["workers"][0]["pid"]
+    pid = s.worker_pid("both")
     done = {}
 
     def stream():

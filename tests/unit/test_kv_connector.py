@@ -3,18 +3,28 @@ over both transports, whatever the block tables look like on either side."""
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import zmq
 
-from pdserve.disagg.connector import KVReceiver, KVSender, contiguous_runs, shm_cache_factory
-from pdserve.disagg.protocol import KVDest, KVLayout
+from pdserve.disagg.connector import (
+    KVReceiver,
+    KVSender,
+    contiguous_runs,
+    seal,
+    shm_cache_factory,
+)
+from pdserve.disagg.protocol import KVDest, KVDone, KVEnvelope, KVLayerHeader, KVLayout
 
 LAYERS, HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 3, 2, 8, 4, 64
 LAYOUT = KVLayout("test-model", "float32", LAYERS, HEADS, HEAD_DIM, BLOCK)
+KEY = b"k" * 32
 
 
 def test_contiguous_runs():
@@ -57,19 +67,28 @@ def test_sender_writes_exactly_the_new_rows(tmp_path, transport, tables):
     slots_total = NUM_BLOCKS * BLOCK
     own = list(torch.randn(LAYERS, 2, slots_total, HEADS, HEAD_DIM).unbind(0))
     paths: list[str] = []
-    factory = shm_cache_factory(paths) if transport == "shm" else None
+    factory = shm_cache_factory(paths, str(tmp_path)) if transport == "shm" else None
     shape = (LAYERS, 2, slots_total, HEADS, HEAD_DIM)
     peer_cache = factory(shape, torch.float32) if factory else torch.zeros(shape)
     peer = list(peer_cache.unbind(0))
     address = f"ipc://{tmp_path}/kv" if transport == "shm" else "tcp://127.0.0.1:0"
+    num_tokens, cached = 150, 0  # 37.5 blocks: the last one partly filled
+    nb = -(-num_tokens // BLOCK)
+    tables_of = {}
     recv = KVReceiver(
-        1, peer, transport, address, paths[0] if paths else None, LAYOUT, lambda rid: True
+        1,
+        peer,
+        transport,
+        address,
+        paths[0] if paths else None,
+        LAYOUT,
+        tables_of.get,
+        KEY,
+        max_tokens=num_tokens,
     )
-    sender = KVSender(0, own, BLOCK, LAYOUT)
+    sender = KVSender(0, own, BLOCK, LAYOUT, KEY)
     try:
         sender.add_peer(recv.endpoint())
-        num_tokens, cached = 150, 0  # 37.5 blocks: the last one partly filled
-        nb = -(-num_tokens // BLOCK)
         if tables == "contiguous":
             src_table, dst_table = list(range(3, 3 + nb)), list(range(20, 20 + nb))
         elif tables == "shuffled":
@@ -79,6 +98,7 @@ def test_sender_writes_exactly_the_new_rows(tmp_path, transport, tables):
             src_table = list(range(0, 20)) + list(range(40, 40 + nb - 20))
             dst_table = list(range(10, 10 + nb))
             cached = 5 * BLOCK  # the decode worker holds the first 5 blocks already
+        tables_of["r"] = dst_table
         sender.add_request("r", KVDest(1, dst_table, cached))
         # a chunked prefill: two steps, the second one starting mid-block
         in_place = []
@@ -88,11 +108,14 @@ def test_sender_writes_exactly_the_new_rows(tmp_path, transport, tables):
             for layer in range(LAYERS):
                 sender.on_layer(layer)
         # which shm path each step took (the tcp transport sends rows either way)
-        assert in_place == {
-            "contiguous": [True, True],
-            "shuffled": [False, False],
-            "mixed": [True, False],  # one 50-token stretch; then stretches of 10 and 70
-        }[tables]
+        assert (
+            in_place
+            == {
+                "contiguous": [True, True],
+                "shuffled": [False, False],
+                "mixed": [True, False],  # one 50-token stretch; then stretches of 10 and 70
+            }[tables]
+        )
         sender.finish("r", first_token=7)
         sender.flush()
         done = []
@@ -107,5 +130,111 @@ def test_sender_writes_exactly_the_new_rows(tmp_path, transport, tables):
             assert torch.equal(peer[layer][:, sent_dst], own[layer][:, sent_src])
             assert not peer[layer][:, untouched].any()  # nothing else was written
         assert done[0].num_bytes == (num_tokens - cached) * LAYERS * 2 * HEADS * HEAD_DIM * 4
+        assert not recv.dropped
+        if transport == "shm":
+            assert os.stat(paths[0]).st_mode & 0o777 == 0o600
     finally:
         recv.close()
+
+
+# ---- a hostile peer on the KV channel ------------------------------------------------------
+
+
+@pytest.fixture
+def tcp_receiver():
+    """A decode-side receiver on TCP whose only reservation is request "r" in blocks 2 and 3."""
+    cache = list(torch.zeros(LAYERS, 2, NUM_BLOCKS * BLOCK, HEADS, HEAD_DIM).unbind(0))
+    recv = KVReceiver(
+        1,
+        cache,
+        "tcp",
+        "tcp://127.0.0.1:0",
+        None,
+        LAYOUT,
+        {"r": [2, 3]}.get,
+        KEY,
+        max_tokens=64,
+    )
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(recv.address)
+    yield recv, cache, push
+    push.close()
+    recv.close()
+
+
+def layer_frames(key, seq, rid="r", layer=0, dst=(8, 9), epoch=1, rows=None, slots=None):
+    dst = np.asarray(dst, dtype=np.int64)
+    rows = np.ones((2, len(dst), HEADS, HEAD_DIM), np.float32) if rows is None else rows
+    slots = dst.tobytes() if slots is None else slots
+    env = KVEnvelope(epoch, seq, KVLayerHeader(rid, layer, len(dst)))
+    return [seal(key, env, slots, rows.nbytes), slots, rows.tobytes()]
+
+
+MARKER_SEQ = itertools.count(1)
+
+
+def deliver(recv, push, *messages):
+    """Send the messages, then one authentic KVDone as a marker; poll until it arrives."""
+    for frames in messages:
+        push.send_multipart(frames)
+    push.send(seal(KEY, KVEnvelope(99, next(MARKER_SEQ), KVDone("marker", 0, 0, 0, 0.0))))
+    done, aborted = [], []
+    deadline = time.monotonic() + 10
+    while not any(d.request_id == "marker" for d in done):
+        assert time.monotonic() < deadline, "the marker never arrived"
+        d, a = recv.poll()
+        done += d
+        aborted += a
+        time.sleep(0.002)
+    return [d for d in done if d.request_id != "marker"], aborted
+
+
+def test_garbage_and_forged_frames_are_dropped_and_counted(tcp_receiver):
+    recv, cache, push = tcp_receiver
+    forged_done = KVEnvelope(5, 1, KVDone("r", 3, 0, 0, 0.0))
+    done, _ = deliver(
+        recv,
+        push,
+        [b"\x00" * 20],  # the 20-byte garbage frame that used to kill the worker
+        [b"short"],
+        [os.urandom(64), b"x", b"y"],
+        [seal(b"w" * 32, forged_done)],  # a valid message under another key
+        layer_frames(b"w" * 32, seq=1),  # rows signed with another key
+        [b"\xff" * 16 + b"\xc1"],  # a tag, then bytes that are no msgpack
+    )
+    assert done == []  # nothing forged got through
+    assert not any(c.any() for c in cache)  # and nothing was written
+    assert recv.dropped["bad_tag"] >= 4 and sum(recv.dropped.values()) == 6
+
+
+def test_writes_outside_the_reservation_or_replayed_are_refused(tcp_receiver):
+    recv, cache, push = tcp_receiver
+    deliver(
+        recv,
+        push,
+        layer_frames(KEY, seq=1, dst=(8, 40)),  # slot 40 is in block 10, not the request's
+        layer_frames(KEY, seq=2, dst=(-1, 9)),
+        layer_frames(KEY, seq=3, dst=(8, 10**12)),
+        layer_frames(KEY, seq=4, rid="other"),  # no reservation at all
+        layer_frames(KEY, seq=5, layer=LAYERS),  # no such layer
+        layer_frames(KEY, seq=6, slots=np.zeros(3, np.int64).tobytes()),  # 3 slots for 2 rows
+    )
+    assert not any(c.any() for c in cache)
+    assert recv.dropped == {"out_of_bounds": 4, "unknown_request": 1, "malformed": 1}
+    deliver(recv, push, layer_frames(KEY, seq=7, dst=(8, 15)))  # the last slot of block 3
+    assert cache[0][:, [8, 15]].eq(1).all() and cache[0].sum() == 2 * 2 * HEADS * HEAD_DIM
+    replay = layer_frames(KEY, seq=7, dst=(9, 10))
+    deliver(recv, push, replay)
+    assert recv.dropped["replayed"] == 1 and not cache[0][:, [9, 10]].any()
+
+
+def test_an_oversized_frame_is_refused_before_it_is_buffered(tcp_receiver):
+    recv, cache, push = tcp_receiver
+    huge = np.zeros(64 * 2 * HEADS * HEAD_DIM * 2, np.float32)  # twice what 64 tokens need
+    push.send_multipart([b"h" * 32, b"s", huge.tobytes()])
+    # ZMQ disconnects the sender; a new connection still works.
+    push.disconnect(recv.address)
+    push.connect(recv.address)
+    deliver(recv, push, layer_frames(KEY, seq=1))
+    assert cache[0][:, [8, 9]].eq(1).all()
