@@ -12,8 +12,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -44,15 +43,13 @@ from pdserve.server.errors import (
     validation_handler,
 )
 from pdserve.server.guard import GuardMiddleware
+from pdserve.server.inputs import InputProcessor
 from pdserve.server.limits import check_request
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.types import RequestOutput, SamplingParams
 
 logger = logging.getLogger("pdserve.server")
-# Tokenization and chat templates run here, off the event loop: a huge prompt never stalls the
-# other requests and streams (the tokenizer releases the GIL while it encodes).
-NUM_TOKENIZER_THREADS = 4
 
 
 class ServerState:
@@ -63,8 +60,10 @@ class ServerState:
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = config.served_model_name or default_model_name(engine_args.model)
-        self.tokenize_pool = ThreadPoolExecutor(
-            NUM_TOKENIZER_THREADS, thread_name_prefix="pdserve-tokenize"
+        self.inputs = InputProcessor(
+            tokenizer,
+            getattr(tokenizer, "name_or_path", None) or engine_args.tokenizer or engine_args.model,
+            config.chat_template,
         )
         self.metrics = ServerMetrics()
         specs = [
@@ -84,17 +83,10 @@ class ServerState:
             restart_workers=disagg.restart_workers,
             metrics=self.metrics,
         )
-        self.chat_template = (
-            Path(config.chat_template).read_text() if config.chat_template else None
-        )
         self.text_of = fmt.TokenText(tokenizer)
         self.num_unstarted = 0  # requests sent that have produced no token yet
 
     # ---- input ----------------------------------------------------------------------------
-    async def off_loop(self, fn: Callable, *args):
-        """Run a blocking call (tokenization, a chat template) in the tokenizer threads."""
-        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
-
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.engine_args.model):
             raise APIError(
@@ -117,84 +109,6 @@ class ServerState:
                 code="overloaded",
             )
         return Admission(self, num_requests)
-
-    def prepare(self, ids: list[int], params: SamplingParams, truncate: int | None) -> list[int]:
-        if truncate is not None:
-            ids = ids[-truncate:]
-        if not ids:
-            raise APIError(400, "invalid prompt: it is empty", param="prompt")
-        max_len = self.client.info.max_model_len
-        vocab = self.client.info.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise APIError(
-                400, f"invalid prompt: token ids must be in [0, {vocab})", param="prompt"
-            )
-        if len(ids) >= max_len:
-            raise APIError(
-                400,
-                f"the prompt has {len(ids)} tokens, but this model's context is "
-                f"{max_len} tokens (room for at least one output token is needed); "
-                "shorten it or set truncate_prompt_tokens",
-                param="prompt",
-                code="context_length_exceeded",
-            )
-        if params.max_tokens is not None and len(ids) + params.max_tokens > max_len:
-            raise APIError(
-                400,
-                f"invalid max_tokens={params.max_tokens}: the prompt has "
-                f"{len(ids)} tokens and the context is {max_len}, so at most "
-                f"{max_len - len(ids)} can be generated",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        return ids
-
-    def tokenize_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompt, str):
-            prompts = [prompt]
-        elif prompt and all(isinstance(t, int) for t in prompt):
-            return [(None, list(prompt))]
-        else:
-            prompts = list(prompt)
-        if not prompts:
-            raise APIError(400, "invalid prompt: it is empty", param="prompt")
-        out = []
-        for p in prompts:
-            if isinstance(p, str):
-                if not p:
-                    raise APIError(400, "invalid prompt: it is empty", param="prompt")
-                out.append((p, self.tokenizer.encode(p)))
-            else:
-                out.append((None, list(p)))
-        return out
-
-    def render_chat(self, body: ChatCompletionRequest) -> list[int]:
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
-        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
-        if not template:
-            raise APIError(
-                400,
-                "this model has no chat template; start the server with "
-                "--chat-template FILE or use /v1/completions",
-                param="messages",
-            )
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                chat_template=template,
-                tokenize=False,
-                add_generation_prompt=body.add_generation_prompt,
-            )
-        except Exception as e:  # a template error is the request's or the template's fault
-            raise APIError(400, f"chat template failed: {e}", param="messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        bos, bos_text = self.tokenizer.bos_token_id, self.tokenizer.bos_token
-        if bos is not None and bos_text and not text.startswith(bos_text):
-            ids = [bos, *ids]  # the template did not add the BOS the model was trained with
-        return ids
 
     # ---- running --------------------------------------------------------------------------
     async def stream(
@@ -339,13 +253,14 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await state.client.start()
+        state.inputs.set_model_limits(state.client.info.max_model_len, state.client.info.vocab_size)
         for w in state.client.workers:
             state.metrics.set_worker_up(w, True)
         try:
             yield
         finally:
             await state.client.shutdown()
-            state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+            state.inputs.close()
 
     app = FastAPI(
         title="pdserve",
@@ -409,11 +324,11 @@ def build_app(
         check_request(body, await request.body(), config.limits)
         state.check_model(body.model)
         params = _sampling_params(body)
-        prompts = await state.off_loop(state.tokenize_prompts, body.prompt)
+        prompts = await state.inputs.completion_prompts(body.prompt, body.truncate_prompt_tokens)
         jobs = []
         rid = f"cmpl-{uuid.uuid4().hex}"
         for i, (text, ids) in enumerate(prompts):
-            ids = state.prepare(ids, params, body.truncate_prompt_tokens)
+            ids = state.inputs.check(ids, params, body.truncate_prompt_tokens)
             jobs.append((f"{rid}-{i}", text, ids, params))
         outs = await _run(state, request, rid, jobs, body, chat=False)
         if not isinstance(outs, list):
@@ -440,8 +355,8 @@ def build_app(
         check_request(body, await request.body(), config.limits)
         state.check_model(body.model)
         params = _sampling_params(body)
-        ids = await state.off_loop(state.render_chat, body)
-        ids = state.prepare(ids, params, body.truncate_prompt_tokens)
+        ids = await state.inputs.chat_prompt(body)
+        ids = state.inputs.check(ids, params, body.truncate_prompt_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = [(rid, None, ids, params)]
         outs = await _run(state, request, rid, jobs, body, chat=True)

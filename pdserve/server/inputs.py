@@ -1,0 +1,130 @@
+"""From a request body to the token ids the engine will see: prompts, chat templates, checks.
+
+Tokenization and templates run off the event loop (`PromptTokenizer`). A prompt is checked
+against the model before anything is queued: token ids inside the vocabulary, room for at least
+one output token in the context, `max_tokens` within what is left. Every failure is an
+`APIError(400)` naming the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pdserve.server.errors import APIError
+from pdserve.server.protocol import ChatCompletionRequest
+from pdserve.server.tokenize import PromptTokenizer
+from pdserve.types import SamplingParams
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, tokenizer_path: str | None, chat_template: str | None) -> None:
+        self.tokenizer = tokenizer
+        self.prompt_tokenizer = PromptTokenizer(tokenizer, tokenizer_path)
+        self.chat_template = Path(chat_template).read_text() if chat_template else None
+        self.max_model_len = 0  # set once the workers report (`set_model_limits`)
+        self.vocab_size = 0
+
+    def set_model_limits(self, max_model_len: int, vocab_size: int) -> None:
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+
+    def close(self) -> None:
+        self.prompt_tokenizer.close()
+
+    # ---- completions -------------------------------------------------------------------------
+    async def completion_prompts(
+        self, prompt, truncate: int | None
+    ) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) of each prompt of a /v1/completions body."""
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            prompts = [list(prompt)]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise APIError(400, "invalid prompt: it is empty", param="prompt")
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                if not p:
+                    raise APIError(400, "invalid prompt: it is empty", param="prompt")
+                out.append((p, await self._encode(p, True, truncate)))
+            else:
+                out.append((None, list(p)))
+        return out
+
+    async def _encode(self, text: str, add_special_tokens: bool, truncate: int | None) -> list[int]:
+        enc = await self.prompt_tokenizer.encode(
+            text, add_special_tokens, truncate, self.max_model_len - 1
+        )
+        if enc.ids is None:
+            raise self._too_long(enc.num_tokens)
+        return enc.ids
+
+    # ---- chat ---------------------------------------------------------------------------------
+    async def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        text = await self.prompt_tokenizer.run(self._render_chat, body)
+        ids = await self._encode(text, False, body.truncate_prompt_tokens)
+        bos, bos_text = self.tokenizer.bos_token_id, self.tokenizer.bos_token
+        if bos is not None and bos_text and not text.startswith(bos_text):
+            ids = [bos, *ids]  # the template did not add the BOS the model was trained with
+        return ids
+
+    def _render_chat(self, body: ChatCompletionRequest) -> str:
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise APIError(
+                400,
+                "this model has no chat template; start the server with "
+                "--chat-template FILE or use /v1/completions",
+                param="messages",
+            )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=body.add_generation_prompt,
+            )
+        except Exception as e:  # a template error is the request's or the template's fault
+            raise APIError(400, f"chat template failed: {e}", param="messages") from None
+
+    # ---- checks --------------------------------------------------------------------------------
+    def check(self, ids: list[int], params: SamplingParams, truncate: int | None) -> list[int]:
+        """The prompt the engine gets (cut to `truncate` tokens), or a 400 saying why not."""
+        if truncate is not None:
+            ids = ids[-truncate:]
+        if not ids:
+            raise APIError(400, "invalid prompt: it is empty", param="prompt")
+        vocab = self.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(
+                400, f"invalid prompt: token ids must be in [0, {vocab})", param="prompt"
+            )
+        if len(ids) >= self.max_model_len:
+            raise self._too_long(len(ids))
+        max_len = self.max_model_len
+        if params.max_tokens is not None and len(ids) + params.max_tokens > max_len:
+            raise APIError(
+                400,
+                f"invalid max_tokens={params.max_tokens}: the prompt has "
+                f"{len(ids)} tokens and the context is {max_len}, so at most "
+                f"{max_len - len(ids)} can be generated",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return ids
+
+    def _too_long(self, num_tokens: int) -> APIError:
+        return APIError(
+            400,
+            f"the prompt has {num_tokens} tokens, but this model's context is "
+            f"{self.max_model_len} tokens (room for at least one output token is needed); "
+            "shorten it or set truncate_prompt_tokens",
+            param="prompt",
+            code="context_length_exceeded",
+        )
