@@ -331,6 +331,8 @@ class RequestLimits:
     max_stop_token_ids: int = 256
     max_logprobs: int = 20  # `logprobs` / `top_logprobs`
     max_messages: int = 4096  # chat messages
+    max_tools: int = 128  # tools offered in one chat request
+    max_grammar_chars: int = 65536  # a schema, regex or grammar (as JSON text), or all tools
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -352,6 +354,7 @@ class ServerConfig:
     max_body_bytes: int = 16 << 20
     max_header_bytes: int = 64 << 10  # request line + headers; 431 beyond
     public_metrics: bool = False  # with an API key: serve /metrics without it
+    tool_call_parser: str = "auto"  # auto | hermes | llama3_json | mistral
     limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
@@ -369,6 +372,12 @@ class ServerConfig:
             "must be > 0",
         )
         _require(self.max_body_bytes > 0, "max_body_bytes", self.max_body_bytes, "must be > 0")
+        _require(
+            self.tool_call_parser in ("auto", "hermes", "llama3_json", "mistral"),
+            "tool_call_parser",
+            self.tool_call_parser,
+            "must be auto, hermes, llama3_json or mistral",
+        )
         _require(
             self.max_header_bytes >= 1024,
             "max_header_bytes",

@@ -31,6 +31,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, in order
     metrics: RequestMetrics = field(init=False)
     runner_state: Any = None  # the model runner's per-request data (e.g. a seeded generator)
+    grammar_state: Any = None  # structured output: the request's matcher (`pdserve.structured`)
+    # Prompt logprobs (when asked for): entry i scores prompt token i; entry 0 is always None.
+    prompt_logprobs: list[Any] | None = None
     queue_deadline: float | None = None  # abort if still unscheduled at this time
     # Disaggregation: "receive" (a decode worker waits for the prompt's KV from a prefill worker)
     # or "send" (a prefill worker computes the prompt, ships its KV, and hands the request off).

@@ -34,7 +34,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-k logprobs per output token (0: only the sampled one)
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token (0: only its own)
     skip_special_tokens: bool = True
+    # Structured output: an llguidance grammar the output must match (`pdserve.structured`).
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,10 +80,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             "must be > 0",
         )
         _check(
-            self.max_tokens is None or self.max_tokens >= 1,
+            self.max_tokens is None or self.max_tokens >= 0,
             "max_tokens",
             self.max_tokens,
-            "must be >= 1",
+            "must be >= 0 (0: score the prompt, generate nothing)",
         )
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
         _check(
@@ -101,12 +104,14 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             self.stop_token_ids,
             "must be non-negative token ids",
         )
-        _check(
-            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-            "logprobs",
-            self.logprobs,
-            f"must be in [0, {MAX_LOGPROBS}]",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or 0 <= value <= MAX_LOGPROBS,
+                name,
+                value,
+                f"must be in [0, {MAX_LOGPROBS}]",
+            )
 
     @property
     def greedy(self) -> bool:
@@ -210,6 +215,7 @@ class Logprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # 1 + how many tokens were more likely (prompt logprobs)
 
 
 @dataclass(slots=True)
@@ -227,6 +233,8 @@ class EngineCoreOutput:
     num_cached_tokens: int | None = None
     num_preemptions: int = 0
     error: str | None = None  # why an aborted request was ended by the engine
+    # With the first output, when asked for: one entry per prompt token (the first is None).
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -255,6 +263,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None
+    prompt_logprobs: list[Logprob | None] | None = None  # when asked for: one per prompt token
 
     # Convenience accessors for the common n=1 case.
     @property

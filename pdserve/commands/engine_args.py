@@ -26,7 +26,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, help="cap the context length (default: the model's)"
     )
     g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: 0)")
-    g.add_argument("--num-threads", type=int, help="torch CPU threads (default: torch's choice)")
+    g.add_argument(
+        "--num-threads",
+        type=int,
+        help="torch CPU threads (default: one per allowed CPU that other processes leave free, "
+        "measured at start and again when the load changes; see docs/ARCHITECTURE.md)",
+    )
     g.add_argument(
         "--linear-backend",
         default="auto",

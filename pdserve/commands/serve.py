@@ -39,6 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="end a request with 503 if it is not scheduled within this time",
     )
     s.add_argument(
+        "--tool-call-parser",
+        choices=["auto", "hermes", "llama3_json", "mistral"],
+        default="auto",
+        help="how tool calls are read from the model's text (auto: from the chat template and "
+        "the architecture: Qwen -> hermes, Llama -> llama3_json, Mistral -> mistral)",
+    )
+    s.add_argument(
         "--public-metrics",
         action="store_true",
         help="with --api-key: serve /metrics without the key (default: /metrics needs it)",
@@ -188,6 +195,7 @@ def server_config_from(args: argparse.Namespace):
         max_body_bytes=args.max_body_bytes,
         max_header_bytes=args.max_header_bytes,
         public_metrics=args.public_metrics,
+        tool_call_parser=args.tool_call_parser,
         limits=RequestLimits(
             max_n=args.max_n,
             max_prompts=args.max_prompts,

@@ -49,7 +49,7 @@ class WorkerLoad:
 class Route:
     decode_id: int
     prefill_id: int | None  # None: prefill on the decode worker
-    reason: str  # "remote" | "short_prompt" | "cached_on_decode" | "no_prefill_worker"
+    reason: str  # remote | short_prompt | cached_on_decode | no_prefill_worker | local_only
 
 
 class Router:
@@ -91,7 +91,9 @@ class Router:
     def _live(self, *roles: str) -> list[WorkerLoad]:
         return [w for w in self.workers.values() if w.alive and w.role in roles]
 
-    def route(self, prompt: list[int]) -> Route:
+    def route(self, prompt: list[int], remote_prefill: bool = True) -> Route:
+        """Where to decode, and where to prefill; `remote_prefill=False` keeps the prompt on
+        the decode worker (a request that scores its prompt, or generates nothing)."""
         decoders = self._live("decode", "both")
         if not decoders:
             raise LookupError("no live decode worker")
@@ -104,6 +106,8 @@ class Router:
         prefillers = self._live("prefill")
         if not prefillers:
             return Route(dec.worker_id, None, "no_prefill_worker")
+        if not remote_prefill:
+            return Route(dec.worker_id, None, "local_only")
         if len(prompt) < self.min_prompt_tokens:
             return Route(dec.worker_id, None, "short_prompt")
         if cached_on_decode >= self.cached_fraction * len(prompt):

@@ -8,14 +8,30 @@ loop: plan, execute, update; it also records the step's phase statistics.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 
 from pdserve.config import EngineArgs, ModelConfig
+from pdserve.engine import cpu_placement
+from pdserve.engine.cpu_placement import PlacementMonitor
 from pdserve.engine.stats import StepStats, StepStatsRecorder
 from pdserve.kv.manager import KVCacheManager
 from pdserve.request import Request
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.sched.scheduler import Scheduler
+from pdserve.structured.matcher import GrammarCompiler
 from pdserve.types import EngineCoreOutput, RequestStatus, SamplingParams
+
+
+def place_threads(args: EngineArgs) -> PlacementMonitor | None:
+    """`--num-threads` as given; else, on a CPU, threads and pinning from the free cores."""
+    if args.num_threads:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
+        return None
+    if args.device != "cpu" or not cpu_placement.supported():
+        return None
+    return PlacementMonitor()
 
 
 class EngineCore:
@@ -32,10 +48,7 @@ class EngineCore:
                 )
             max_len = args.max_model_len
         self.max_model_len = max_len
-        if args.num_threads:
-            import torch
-
-            torch.set_num_threads(args.num_threads)
+        self.placement = place_threads(args)
         cache_config = args.cache_config()
         self.runner = ModelRunner(
             self.model_config,
@@ -52,6 +65,9 @@ class EngineCore:
         )
         self.scheduler = Scheduler(args.scheduler_config(max_len), self.kv)
         self.stats = StepStatsRecorder(self.model_config, self.runner, args.hardware_profile)
+        # Structured output: requests wait here while their grammar compiles (off this thread).
+        self.grammars: GrammarCompiler | None = None  # made for the first such request
+        self.compiling: dict[str, tuple[Request, Future]] = {}
 
     # ---- requests ------------------------------------------------------------------------
     def make_request(
@@ -82,8 +98,10 @@ class EngineCore:
             )
         capacity = self.kv.num_blocks * self.kv.block_size
         # No max_tokens: up to the context, or as much as the whole KV cache holds.
-        max_tokens = params.max_tokens or min(room, capacity - n)
-        if n + max_tokens > capacity or max_tokens < 1:
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = min(room, capacity - n)
+        if n + max_tokens > capacity or (params.max_tokens is None and max_tokens < 1):
             raise ValueError(
                 f"invalid request: {n} prompt + {max_tokens} output tokens exceed the KV cache "
                 f"({capacity} tokens); raise --kv-cache-memory or lower max_tokens"
@@ -99,34 +117,78 @@ class EngineCore:
         )
 
     def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+        grammar = request.sampling_params.grammar
+        if grammar is None:
+            self.scheduler.add_request(request)
+            return
+        rid = request.request_id
+        if rid in self.compiling or rid in self.scheduler.requests:
+            raise ValueError(f"invalid request_id={rid!r}: already in use")
+        if self.grammars is None:
+            self.grammars = GrammarCompiler(
+                self.args.tokenizer or self.args.model,
+                self.model_config.vocab_size,
+                self.model_config.eos_token_ids,
+            )
+        self.compiling[rid] = (request, self.grammars.submit(grammar))
+
+    def admit_compiled(self) -> list[EngineCoreOutput]:
+        """Hand requests whose grammar is ready to the scheduler; returns the ones that failed."""
+        failed = []
+        for rid, (request, future) in list(self.compiling.items()):
+            if not future.done():
+                continue
+            del self.compiling[rid]
+            try:
+                request.grammar_state = future.result()
+                self.scheduler.add_request(request)
+            except ValueError as e:
+                failed.append(EngineCoreOutput(rid, [], finish_reason="abort", error=str(e)))
+        return failed
+
+    def finish_requests(
+        self, request_ids: list[str], status: RequestStatus, release_kv: bool = True
+    ) -> list[Request]:
+        for rid in request_ids:
+            self.compiling.pop(rid, None)
+        return self.scheduler.finish_requests(request_ids, status, release_kv)
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
-        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def stop_requests(self, request_ids: list[str]) -> list[Request]:
         """Finish requests that matched a stop string (found by the detokenizer)."""
-        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self.compiling)
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        outputs = self.admit_compiled()
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return []
-        return self.execute(plan)
+            return outputs
+        return outputs + self.execute(plan)
 
     def execute(self, plan) -> list[EngineCoreOutput]:
         """Run a scheduled plan: forward, sample, update (for callers that act between)."""
         t0 = time.perf_counter()
-        sampled, logprobs = self.runner.execute(plan, self.kv.req_block_ids)
+        result = self.runner.execute(plan, self.kv.req_block_ids)
         t1 = time.perf_counter()
-        outputs = self.scheduler.update(plan, sampled, logprobs)
-        self.stats.record(plan, t0, t1, self.scheduler.stats())
+        outputs = self.scheduler.update(
+            plan, result.sampled, result.logprobs, result.prompt_logprobs
+        )
+        step = self.stats.record(plan, t0, t1, self.scheduler.stats())
+        if self.placement is not None:
+            self.placement.on_step(step.phase, step.num_decode_seqs, step.step_time_s)
         return outputs
+
+    def on_idle(self) -> None:
+        """The caller has no work for this engine right now (the worker loop between requests)."""
+        if self.placement is not None:
+            self.placement.on_idle()
 
     @property
     def last_step(self) -> StepStats | None:

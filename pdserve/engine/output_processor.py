@@ -65,6 +65,7 @@ class _Group:
     prompt: str | None
     prompt_token_ids: list[int]
     completions: list[_Completion]
+    prompt_logprobs: list[Logprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -146,6 +147,8 @@ class OutputProcessor:
                 continue
             touched[group.request_id] = group
             self._record(comp, out, now)
+            if out.prompt_logprobs is not None and group.prompt_logprobs is None:
+                group.prompt_logprobs = out.prompt_logprobs
             accepted = out.new_token_ids
             stop_str = comp.detok.add_tokens(accepted) if accepted else None
             if stop_str is not None:
@@ -210,4 +213,5 @@ class OutputProcessor:
             finished=group.finished,
             metrics=group.completions[0].metrics,
             error=errors[0] if errors else None,
+            prompt_logprobs=group.prompt_logprobs,
         )

@@ -16,6 +16,7 @@ Roles change only what the connector does around the same loop:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -57,6 +58,7 @@ from pdserve.types import EngineCoreOutput, RequestStatus
 logger = logging.getLogger("pdserve.worker")
 
 IDLE_POLL_MS = 100
+COMPILE_POLL_MS = 2
 # Fault injection for tests: seconds a prefill worker sleeps after each step (a slow prefill).
 PREFILL_STEP_DELAY_S = float(os.environ.get("PDSERVE_TEST_PREFILL_STEP_DELAY_S", "0"))
 
@@ -185,7 +187,7 @@ class Worker:
                 if msg.reason == "stop"
                 else RequestStatus.FINISHED_ABORTED
             )
-            sched.finish_requests(msg.request_ids, status, release_kv=msg.release_kv)
+            core.finish_requests(msg.request_ids, status, release_kv=msg.release_kv)
             if self.sender is not None:
                 for rid in msg.request_ids:
                     self.sender.abort(rid)
@@ -263,11 +265,12 @@ class Worker:
         core = self.core
         sched = core.scheduler
         if self.sender is not None:
+            outputs = core.admit_compiled()
             plan = sched.schedule()
             if plan.is_empty:
-                return [], []
+                return outputs, []
             self.sender.begin_step(plan, core.kv.req_block_ids)
-            outputs = core.execute(plan)
+            outputs += core.execute(plan)
             for req in sched.handed_off:  # flush their KV, then hand them to the decode worker
                 res = self.sender.finish(req.request_id, req.output_token_ids[0])
                 if res is not None:
@@ -299,7 +302,14 @@ class Worker:
                 self.orphaned = True
                 break
             busy = core.has_unfinished and (core.scheduler.running or core.scheduler.waiting)
-            outputs, changed = self.drain(0 if busy else IDLE_POLL_MS)
+            if busy:
+                timeout_ms = 0
+            elif core.compiling:  # a grammar is compiling: look again soon
+                timeout_ms = COMPILE_POLL_MS
+            else:
+                core.on_idle()
+                timeout_ms = IDLE_POLL_MS
+            outputs, changed = self.drain(timeout_ms)
             if not self.running:
                 break
             outputs += self.expire()
@@ -369,18 +379,14 @@ class Worker:
             RuntimeDirs.remove_from_env()
 
 
-def pin_cpus(cpus: str | None) -> None:
-    """Restrict this process to a CPU set ("0", "0-3", "0,2") and match torch's threads to it."""
-    if not cpus:
-        return
+def pin_cpus(cpus: str) -> int:
+    """Restrict this process to a CPU set ("0", "0-3", "0,2"); returns its size."""
     ids: set[int] = set()
     for part in cpus.split(","):
         lo, _, hi = part.partition("-")
         ids.update(range(int(lo), int(hi or lo) + 1))
     os.sched_setaffinity(0, ids)
-    import torch
-
-    torch.set_num_threads(len(ids))
+    return len(ids)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -397,8 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s worker{a.worker_id} %(levelname)s %(message)s"
     )
-    pin_cpus(a.cpus)
     args = msgspec.json.decode(a.engine_args, type=EngineArgs)
+    if a.cpus:  # placed by the user: one thread per CPU of the set, unless told otherwise
+        num_cpus = pin_cpus(a.cpus)
+        args = dataclasses.replace(args, num_threads=args.num_threads or num_cpus)
     worker = Worker(
         args,
         a.input,

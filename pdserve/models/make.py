@@ -40,9 +40,16 @@ NUM_BYTE_TOKENS = 256
 MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + NUM_BYTE_TOKENS
 # Fields an override may set although a preset leaves them out (derived when absent).
 OPTIONAL_FIELDS = ("head_dim",)
+# Turns as <|role|>\n...</s>; tools (Hermes style) in a system turn, calls as <tool_call> JSON.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{{ bos_token }}{% if tools %}<|system|>\n# Tools\n{% for tool in tools %}"
+    "{{ tool | tojson }}\n{% endfor %}To call one, answer "
+    '<tool_call>{"name": ..., "arguments": {...}}</tool_call>{{ eos_token }}\n{% endif %}'
+    "{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% for call in message.get('tool_calls') or [] %}<tool_call>"
+    '{{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}'
+    "</tool_call>{% endfor %}{{ eos_token }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 _SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}

@@ -17,8 +17,9 @@ from pdserve.config import CacheConfig, ModelConfig
 from pdserve.models.loader import load_model
 from pdserve.request import Request
 from pdserve.runner.attention import AttentionMetadata, PrefillChunk
-from pdserve.runner.sampler import Sampler, SamplingRow, is_greedy
+from pdserve.runner.sampler import Sampler, SamplingRow, TokenMasks, is_greedy
 from pdserve.sched.scheduler import SchedulerOutput
+from pdserve.structured.matcher import fill_bitmask
 from pdserve.types import Logprob
 
 logger = logging.getLogger(__name__)
@@ -33,12 +34,40 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 @dataclass(slots=True)
+class StepResult:
+    """What one step computed, for `Scheduler.update`."""
+
+    sampled: list[int]  # one token per sampling request, in plan order
+    logprobs: list[Logprob | None]
+    # Requests that asked for prompt logprobs: (index of the first prompt token scored, one
+    # Logprob per token scored this step).
+    prompt_logprobs: dict[str, tuple[int, list[Logprob]]]
+
+
+# Prompt logprobs are computed this many positions at a time (a [rows, vocab] logits block each).
+PROMPT_LOGPROB_ROWS = 256
+
+
+@dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [S] rows of the hidden states that sample, in plan order
     rows: list[SamplingRow]
+
+
+def _first_rows(plan: SchedulerOutput) -> list[int]:
+    """Where each scheduled request's tokens start in the step's flat hidden states: the
+    one-token items (decodes) first, then the chunks, each group in plan order (`prepare`)."""
+    rows = [0] * len(plan.scheduled)
+    row = 0
+    for single in (True, False):
+        for i, item in enumerate(plan.scheduled):
+            if (item.num_new_tokens == 1) == single:
+                rows[i] = row
+                row += item.num_new_tokens
+    return rows
 
 
 class ModelRunner:
@@ -189,13 +218,60 @@ class ModelRunner:
         return SamplingRow(params, req.runner_state, req.prompt_token_ids, req.output_token_ids)
 
     # ---- the step ------------------------------------------------------------------------
-    def execute(
-        self, plan: SchedulerOutput, block_tables: dict[str, list[int]]
-    ) -> tuple[list[int], list[Logprob | None]]:
+    def execute(self, plan: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepResult:
         inputs = self.prepare(plan, block_tables)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        prompt_logprobs = self._prompt_logprobs(plan, hidden)
         if not inputs.rows:
-            return [], []
+            return StepResult([], [], prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        out = self.sampler(logits, inputs.rows)
-        return out.token_ids, out.logprobs
+        out = self.sampler(logits, inputs.rows, self._grammar_masks(plan))
+        return StepResult(out.token_ids, out.logprobs, prompt_logprobs)
+
+    def _grammar_masks(self, plan: SchedulerOutput) -> TokenMasks | None:
+        """The allowed-token bitmask of each sampling row whose request has a grammar."""
+        sampling = [s.request for s in plan.scheduled if s.sample]
+        constrained = [(i, r) for i, r in enumerate(sampling) if r.grammar_state is not None]
+        if not constrained:
+            return None
+        bitmask = torch.empty(
+            len(constrained), (self.config.vocab_size + 31) // 32, dtype=torch.int32
+        )
+        fill_bitmask([(r.grammar_state, r.output_token_ids) for _, r in constrained], bitmask)
+        return TokenMasks([i for i, _ in constrained], bitmask)
+
+    def _prompt_logprobs(
+        self, plan: SchedulerOutput, hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list[Logprob]]]:
+        """Logprobs of the prompt tokens this step's chunks predict (position p scores token
+        p + 1), for the requests that asked for them."""
+        out: dict[str, tuple[int, list[Logprob]]] = {}
+        for item, row in zip(plan.scheduled, _first_rows(plan)):
+            req, start = item.request, item.request.num_computed_tokens
+            k = req.sampling_params.prompt_logprobs
+            last = min(start + item.num_new_tokens, req.num_prompt_tokens - 1)
+            if k is not None and last > start:
+                targets = req.prompt_token_ids[start + 1 : last + 1]
+                scored = self._score(hidden[row : row + last - start], targets, k)
+                out[req.request_id] = (start + 1, scored)
+        return out
+
+    def _score(self, hidden: torch.Tensor, targets: list[int], k: int) -> list[Logprob]:
+        """Logprob of each target token under the logits of its row, with the top `k`."""
+        scored: list[Logprob] = []
+        for a in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            b = min(a + PROMPT_LOGPROB_ROWS, len(targets))
+            logprobs = self.model.compute_logits(hidden[a:b]).float().log_softmax(dim=-1)
+            index = torch.tensor(targets[a:b], device=logprobs.device).unsqueeze(-1)
+            chosen = logprobs.gather(-1, index)  # [rows, 1]
+            ranks = (logprobs > chosen).sum(dim=-1) + 1
+            top_values, top_ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
+            for t, lp, rank, vs, ids in zip(
+                targets[a:b],
+                chosen.squeeze(-1).tolist(),
+                ranks.tolist(),
+                top_values.tolist(),
+                top_ids.tolist(),
+            ):
+                scored.append(Logprob(t, lp, list(zip(ids, vs)), rank))
+        return scored

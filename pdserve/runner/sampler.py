@@ -1,6 +1,6 @@
 """Turns one step's logits into token ids (and optional logprobs): one logits row per sampling request.
 
-Order per row: penalties, min_tokens masking, then argmax for greedy rows, or temperature, top-k,
+Order per row: penalties, min_tokens masking, the grammar's token mask, then argmax for greedy rows, or temperature, top-k,
 top-p, min-p and an exponential race (argmax(probs / q), q ~ Exp(1)) for the others. A seeded row
 draws its noise from its own generator, exactly one [vocab] draw per step, so its tokens do not
 depend on the rest of the batch. Logprobs are taken from the raw logits handed in (before
@@ -15,6 +15,7 @@ from itertools import chain
 
 import torch
 
+from pdserve.structured.matcher import apply_bitmask
 from pdserve.types import Logprob, SamplingParams
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32.
@@ -33,6 +34,14 @@ class SamplingRow:
     generator: torch.Generator | None
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens generated so far, before this step
+
+
+@dataclass(slots=True)
+class TokenMasks:
+    """Rows constrained by a grammar and, per such row, the tokens it allows (a bitmask)."""
+
+    row_indices: list[int]
+    bitmask: torch.Tensor  # [len(row_indices), ceil(vocab / 32)] int32
 
 
 @dataclass(slots=True)
@@ -59,18 +68,25 @@ class Sampler:
     def __init__(self, eos_token_ids: Sequence[int]):
         self.eos_token_ids = tuple(eos_token_ids)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        masks: TokenMasks | None = None,
+    ) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits of shape {tuple(logits.shape)} do not match {len(rows)} sampling rows"
             )
         raw_logits = logits.float()  # no copy for float32; never modified in place
         penalty_rows = [i for i, r in enumerate(rows) if has_penalties(r.params)]
-        banned_rows, banned_ids = self._min_tokens_bans(rows, vocab_size=logits.shape[1])
+        # A grammar decides when its row may end: min_tokens does not ban EOS there.
+        constrained = set(masks.row_indices) if masks is not None else set()
+        banned_rows, banned_ids = self._min_tokens_bans(rows, logits.shape[1], constrained)
         random_rows = [i for i, r in enumerate(rows) if not is_greedy(r.params)]
         logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
 
-        if not (penalty_rows or banned_rows or random_rows or logprob_rows):
+        if not (penalty_rows or banned_rows or random_rows or logprob_rows or masks):
             return SamplerOutput(raw_logits.argmax(dim=-1).tolist(), [None] * len(rows))
 
         logits = raw_logits
@@ -81,6 +97,11 @@ class Sampler:
                 logits = logits.clone()
             index = torch.tensor([banned_rows, banned_ids], device=logits.device)  # [2, num_bans]
             logits[index[0], index[1]] = float("-inf")
+        if masks is not None:
+            if logits is raw_logits:
+                logits = logits.clone()
+            index = torch.tensor(masks.row_indices, device=logits.device)
+            logits[index] = apply_bitmask(logits[index], masks.bitmask)
 
         if len(random_rows) == len(rows):
             token_ids = _sample_random(logits, rows)  # [num_rows]
@@ -93,14 +114,14 @@ class Sampler:
         return _collect(raw_logits, token_ids, rows, logprob_rows)
 
     def _min_tokens_bans(
-        self, rows: Sequence[SamplingRow], vocab_size: int
+        self, rows: Sequence[SamplingRow], vocab_size: int, skip: set[int]
     ) -> tuple[list[int], list[int]]:
         """(row, token) pairs to mask to -inf: EOS and stop ids of rows still below min_tokens."""
         banned_rows: list[int] = []
         banned_ids: list[int] = []
         for i, row in enumerate(rows):
             params = row.params
-            if len(row.output_token_ids) >= params.min_tokens:
+            if len(row.output_token_ids) >= params.min_tokens or i in skip:
                 continue
             eos = () if params.ignore_eos else self.eos_token_ids
             for token_id in {*eos, *params.stop_token_ids}:

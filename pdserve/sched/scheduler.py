@@ -192,7 +192,8 @@ class Scheduler:
                     break
                 continue
             hits, num_hit_tokens = [], 0
-            if request.num_computed_tokens == 0:
+            # Prompt logprobs need every prompt position computed: no prefix-cache hit then.
+            if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             remaining = request.num_tokens - request.num_computed_tokens - num_hit_tokens
             num_new = min(remaining, budget)
@@ -284,6 +285,7 @@ class Scheduler:
 
     def _add(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         sample = request.num_computed_tokens + num_new == request.num_tokens
+        sample = sample and request.max_tokens > 0  # max_tokens 0: score the prompt only
         out.scheduled.append(ScheduledRequest(request, num_new, sample))
         if num_new == 1 and request.num_output_tokens > 0:
             out.num_decode_tokens += 1
@@ -304,16 +306,29 @@ class Scheduler:
         plan: SchedulerOutput,
         sampled: list[int],
         logprobs: list[Logprob | None] | None = None,
+        prompt_logprobs: dict[str, tuple[int, list[Logprob]]] | None = None,
     ) -> list[EngineCoreOutput]:
         """Advance the counters by the computed tokens, append sampled tokens (one per sampling
         request, in plan order), and finish requests that hit EOS, a stop token or a length."""
         now = time.perf_counter()
         outputs: list[EngineCoreOutput] = []
+        for rid, (start, scored) in (prompt_logprobs or {}).items():
+            request = self.requests.get(rid)
+            if request is not None:
+                if request.prompt_logprobs is None:
+                    request.prompt_logprobs = [None] * request.num_prompt_tokens
+                request.prompt_logprobs[start : start + len(scored)] = scored
         k = 0
         for item in plan.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
             if not item.sample:
+                if (
+                    request.max_tokens == 0
+                    and request.num_computed_tokens == request.num_tokens
+                    and not request.is_finished
+                ):
+                    outputs.append(self._finish_scored(request))
                 continue
             token = sampled[k]
             lp = logprobs[k] if logprobs is not None else None
@@ -328,6 +343,7 @@ class Scheduler:
                 m.first_token_time = now
                 out.queue_time_s = m.queue_time
                 out.num_cached_tokens = max(request.num_cached_tokens, 0)
+                out.prompt_logprobs = self._full_prompt_logprobs(request)
             out.num_preemptions = m.num_preemptions
             status = self._check_stop(request, token)
             if status is None and request.kv_role == "send":
@@ -341,8 +357,29 @@ class Scheduler:
             outputs.append(out)
         return outputs
 
+    def _finish_scored(self, request: Request) -> EngineCoreOutput:
+        """A `max_tokens=0` request whose prompt is computed: it ends without a token."""
+        self.running.remove(request)
+        self._finish(request, RequestStatus.FINISHED_LENGTH)
+        return EngineCoreOutput(
+            request.request_id,
+            [],
+            finish_reason="length",
+            queue_time_s=request.metrics.queue_time,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            prompt_logprobs=self._full_prompt_logprobs(request),
+        )
+
+    @staticmethod
+    def _full_prompt_logprobs(request: Request) -> list[Logprob | None] | None:
+        if request.sampling_params.prompt_logprobs is None:
+            return None
+        return request.prompt_logprobs or [None] * request.num_prompt_tokens
+
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
+        if request.grammar_state is not None and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED  # a grammar decides where its output ends
         if request.num_output_tokens >= params.min_tokens:
             if token in params.stop_token_ids:
                 request.stop_reason = token

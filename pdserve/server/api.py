@@ -23,7 +23,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pdserve
-from pdserve.config import DisaggConfig, EngineArgs, ServerConfig, worker_specs
+from pdserve.config import DisaggConfig, EngineArgs, ModelConfig, ServerConfig, worker_specs
 from pdserve.server import openai_format as fmt
 from pdserve.server.engine_client import (
     DisaggOptions,
@@ -47,6 +47,8 @@ from pdserve.server.inputs import InputProcessor
 from pdserve.server.limits import check_request
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.server.responses import ChatResponder, CompletionResponder
+from pdserve.server.tools import PARSERS, parser_for
 from pdserve.types import RequestOutput, SamplingParams
 
 logger = logging.getLogger("pdserve.server")
@@ -84,6 +86,12 @@ class ServerState:
             metrics=self.metrics,
         )
         self.text_of = fmt.TokenText(tokenizer)
+        if config.tool_call_parser == "auto":
+            architecture = ModelConfig.from_pretrained(engine_args.model).architecture
+            template = self.inputs.chat_template or getattr(tokenizer, "chat_template", None)
+            self.tool_parser = parser_for(architecture, template)
+        else:
+            self.tool_parser = PARSERS[config.tool_call_parser]
         self.num_unstarted = 0  # requests sent that have produced no token yet
 
     # ---- input ----------------------------------------------------------------------------
@@ -160,8 +168,6 @@ def _sampling_params(body) -> SamplingParams:
             raise APIError(400, f"'{name}' is not supported", param=name)
     if getattr(body, "logit_bias", None):
         raise APIError(400, "'logit_bias' is not supported", param="logit_bias")
-    if getattr(body, "tools", None):
-        raise APIError(400, "'tools' is not supported", param="tools")
     best_of = getattr(body, "best_of", None)
     if best_of is not None and best_of != body.n:
         raise APIError(400, "'best_of' other than n is not supported", param="best_of")
@@ -323,99 +329,67 @@ def build_app(
     async def completions(body: CompletionRequest, request: Request):
         check_request(body, await request.body(), config.limits)
         state.check_model(body.model)
-        params = _sampling_params(body)
+        params = await state.inputs.constrain(body, _sampling_params(body))
         prompts = await state.inputs.completion_prompts(body.prompt, body.truncate_prompt_tokens)
-        jobs = []
         rid = f"cmpl-{uuid.uuid4().hex}"
-        for i, (text, ids) in enumerate(prompts):
-            ids = state.inputs.check(ids, params, body.truncate_prompt_tokens)
-            jobs.append((f"{rid}-{i}", text, ids, params))
-        outs = await _run(state, request, rid, jobs, body, chat=False)
-        if not isinstance(outs, list):
-            return outs
-        choices, n_out = [], 0
-        for i, out in enumerate(outs):
-            for c in out.outputs:
-                prefix = (
-                    (out.prompt or state.tokenizer.decode(out.prompt_token_ids))
-                    if body.echo
-                    else ""
-                )
-                lps = None
-                if body.logprobs is not None and c.logprobs:
-                    lps = fmt.completion_logprobs(c.logprobs, state.text_of, len(prefix))
-                choices.append(
-                    fmt.completion_choice(i * params.n + c.index, c, prefix + c.text, lps)
-                )
-                n_out += len(c.token_ids)
-        return _final(state, "text_completion", rid, choices, outs, n_out)
+        truncate = body.truncate_prompt_tokens
+        jobs = [
+            (f"{rid}-{i}", text, state.inputs.check(ids, params, truncate), params)
+            for i, (text, ids) in enumerate(prompts)
+        ]
+        responder = CompletionResponder(body, params.n, state.text_of, state.tokenizer)
+        return await _run(state, request, rid, jobs, body, responder)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_request(body, await request.body(), config.limits)
         state.check_model(body.model)
-        params = _sampling_params(body)
+        params = await state.inputs.constrain(body, _sampling_params(body))
         ids = await state.inputs.chat_prompt(body)
         ids = state.inputs.check(ids, params, body.truncate_prompt_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        jobs = [(rid, None, ids, params)]
-        outs = await _run(state, request, rid, jobs, body, chat=True)
-        if not isinstance(outs, list):
-            return outs
-        choices, n_out = [], 0
-        for c in outs[0].outputs:
-            lps = (
-                fmt.chat_logprobs(c.logprobs, state.text_of)
-                if body.logprobs and c.logprobs
-                else None
-            )
-            choices.append(fmt.chat_choice(c.index, c, lps))
-            n_out += len(c.token_ids)
-        return _final(state, "chat.completion", rid, choices, outs, n_out)
+        responder = ChatResponder(body, state.text_of, state.tool_parser)
+        return await _run(state, request, rid, [(rid, None, ids, params)], body, responder)
 
     return app
 
 
-async def _run(
-    state: ServerState, request: Request, rid: str, jobs, body, chat: bool
-) -> list[RequestOutput] | Response:
-    """Admit the jobs, then stream them, or wait for all of them (a response if the client left)."""
+async def _run(state: ServerState, request: Request, rid: str, jobs, body, responder) -> Response:
+    """Admit the jobs, then stream them, or wait for all of them and answer."""
     adm = state.admit(len(jobs))
     if body.stream:
-        return _stream_response(state, adm, rid, jobs, body, chat=chat)
+        return _stream_response(state, adm, rid, jobs, body, responder)
     try:
         outs = await _until_disconnect(request, _collect(state, adm, jobs))
     finally:
         adm.close()
-    return Response(status_code=499) if outs is None else outs
-
-
-def _final(state: ServerState, kind: str, rid: str, choices, outs, n_out: int) -> SafeJSONResponse:
+    if outs is None:  # the client left
+        return Response(status_code=499)
+    choices = [choice for i, out in enumerate(outs) for choice in responder.final(i, out)]
+    n_out = sum(len(c.token_ids) for out in outs for c in out.outputs)
     n_prompt = sum(len(o.prompt_token_ids) for o in outs)
     cached = sum(o.metrics.num_cached_tokens for o in outs if o.metrics)
     m = fmt.first_metrics(outs)
-    body = fmt.envelope(
-        kind,
+    response = fmt.envelope(
+        responder.kind,
         rid,
         state.model_name,
         choices,
         usage=fmt.usage(n_prompt, n_out, cached),
         timings=fmt.timings(m),
+        **responder.extra(outs),
     )
-    return SafeJSONResponse(body, headers=fmt.timing_headers(m))
+    return SafeJSONResponse(response, headers=fmt.timing_headers(m))
 
 
 def _stream_response(
-    state: ServerState, adm: Admission, rid: str, jobs, body, chat: bool
+    state: ServerState, adm: Admission, rid: str, jobs, body, responder
 ) -> StreamingResponse:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    n = jobs[0][3].n
 
     async def events() -> AsyncIterator[str]:
         n_prompt = sum(len(j[2]) for j in jobs)
         n_out = 0
-        sent_role: set[int] = set()
         last: RequestOutput | None = None
         cached: dict[int, int] = {}  # per prompt: tokens served from the prefix cache
         try:
@@ -423,42 +397,17 @@ def _stream_response(
                 last = out
                 if out.metrics is not None:
                     cached[i] = out.metrics.num_cached_tokens
-                for c in out.outputs:
-                    if not c.new_token_ids and not c.new_text and c.finish_reason is None:
-                        continue
-                    n_out += len(c.new_token_ids)
-                    index = i * n + c.index
-                    if chat:
-                        delta = {"content": c.new_text}
-                        if index not in sent_role:
-                            sent_role.add(index)
-                            delta["role"] = "assistant"
-                        choice = {
-                            "index": index,
-                            "delta": delta,
-                            "logprobs": None,
-                            "finish_reason": c.finish_reason,
-                        }
-                        if body.logprobs and c.logprobs and c.new_token_ids:
-                            choice["logprobs"] = fmt.chat_logprobs(
-                                c.logprobs[-len(c.new_token_ids) :], state.text_of
-                            )
-                    else:
-                        choice = {
-                            "index": index,
-                            "text": c.new_text,
-                            "logprobs": None,
-                            "finish_reason": c.finish_reason,
-                        }
-                        if body.logprobs is not None and c.logprobs and c.new_token_ids:
-                            choice["logprobs"] = fmt.completion_logprobs(
-                                c.logprobs[-len(c.new_token_ids) :], state.text_of
-                            )
-                    yield _sse(fmt.envelope(kind, rid, state.model_name, [choice]))
+                n_out += sum(len(c.new_token_ids) for c in out.outputs)
+                choices = responder.chunk(i, out)
+                if choices:
+                    chunk = fmt.envelope(responder.chunk_kind, rid, state.model_name, choices)
+                    if out.finished:
+                        chunk.update(responder.extra([out]))
+                    yield _sse(chunk)
             if include_usage:  # the usage chunk also carries the phase timings
                 yield _sse(
                     fmt.envelope(
-                        kind,
+                        responder.chunk_kind,
                         rid,
                         state.model_name,
                         [],

@@ -540,7 +540,8 @@ class EngineClient:
 
     # ---- requests ------------------------------------------------------------------------
     def _dispatch(self, core_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        route = self.router.route(prompt_ids)
+        scores_prompt = params.prompt_logprobs is not None or params.max_tokens == 0
+        route = self.router.route(prompt_ids, remote_prefill=not scores_prompt)
         if self.metrics is not None and self.disaggregated:
             self.metrics.router_decisions.labels(route.reason).inc()
         decode = self.workers[route.decode_id]

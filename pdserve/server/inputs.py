@@ -8,11 +8,18 @@ one output token in the context, `max_tokens` within what is left. Every failure
 
 from __future__ import annotations
 
+import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import msgspec
+
+from pdserve.server import tools
 from pdserve.server.errors import APIError
-from pdserve.server.protocol import ChatCompletionRequest
+from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.server.tokenize import PromptTokenizer
+from pdserve.structured import spec
 from pdserve.types import SamplingParams
 
 
@@ -23,12 +30,17 @@ class InputProcessor:
         self.chat_template = Path(chat_template).read_text() if chat_template else None
         self.max_model_len = 0  # set once the workers report (`set_model_limits`)
         self.vocab_size = 0
+        # Grammars are checked in a thread of their own: an expensive one never holds up
+        # tokenization. The llguidance tokenizer is built on first use (~1 s).
+        self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
+        self._llg_tokenizer = None
 
     def set_model_limits(self, max_model_len: int, vocab_size: int) -> None:
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
 
     def close(self) -> None:
         self.prompt_tokenizer.close()
+        self._grammar_thread.shutdown(wait=False, cancel_futures=True)
 
     # ---- completions -------------------------------------------------------------------------
     async def completion_prompts(
@@ -72,9 +84,12 @@ class InputProcessor:
 
     def _render_chat(self, body: ChatCompletionRequest) -> str:
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            messages = [_template_message(m) for m in body.messages]
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
+        extra = {}
+        if body.tools:
+            extra["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise APIError(
@@ -89,9 +104,36 @@ class InputProcessor:
                 chat_template=template,
                 tokenize=False,
                 add_generation_prompt=body.add_generation_prompt,
+                **extra,
             )
         except Exception as e:  # a template error is the request's or the template's fault
             raise APIError(400, f"chat template failed: {e}", param="messages") from None
+
+    # ---- structured output -------------------------------------------------------------------
+    async def constrain(
+        self, body: CompletionRequest | ChatCompletionRequest, params: SamplingParams
+    ) -> SamplingParams:
+        """`params` with the grammar the body asks for (checked: a 400 if it does not compile)."""
+        try:
+            found = requested_grammar(body)
+            if found is None:
+                return params
+            field, grammar = found
+            await asyncio.get_running_loop().run_in_executor(
+                self._grammar_thread, self._check_grammar, grammar, field
+            )
+        except spec.SpecError as e:
+            raise APIError(400, str(e), param=e.field, code="invalid_value") from None
+        return msgspec.structs.replace(params, grammar=grammar)
+
+    def _check_grammar(self, grammar: str, field: str) -> None:
+        if self._llg_tokenizer is None:
+            import llguidance.hf
+
+            self._llg_tokenizer = llguidance.hf.from_tokenizer(
+                self.tokenizer, n_vocab=self.vocab_size
+            )
+        spec.check(grammar, field, self._llg_tokenizer)
 
     # ---- checks --------------------------------------------------------------------------------
     def check(self, ids: list[int], params: SamplingParams, truncate: int | None) -> list[int]:
@@ -128,3 +170,48 @@ class InputProcessor:
             param="prompt",
             code="context_length_exceeded",
         )
+
+
+def _template_message(message) -> dict:
+    """A chat message as templates expect it: text content, and tool calls with their
+    arguments as objects (OpenAI sends them as JSON text)."""
+    out = {"role": message.role, "content": message.text(), **(message.model_extra or {})}
+    calls = out.get("tool_calls")
+    if isinstance(calls, list):
+        out["tool_calls"] = [_with_object_arguments(c) for c in calls]
+    return out
+
+
+def _with_object_arguments(call):
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def requested_grammar(body) -> tuple[str, str] | None:
+    """(field, grammar) of the one output constraint a body asks for, or None."""
+    found = []
+    response_format = spec.response_format_grammar(body.response_format)
+    if response_format is not None:
+        found.append(("response_format", response_format))
+    if body.guided_json is not None:
+        found.append(("guided_json", spec.json_schema_grammar(body.guided_json, "guided_json")))
+    if body.guided_regex is not None:
+        found.append(("guided_regex", spec.regex_grammar(body.guided_regex)))
+    if body.guided_choice is not None:
+        found.append(("guided_choice", spec.choice_grammar(body.guided_choice)))
+    if body.guided_grammar is not None:
+        found.append(("guided_grammar", spec.lark_grammar(body.guided_grammar)))
+    if isinstance(body, ChatCompletionRequest):
+        forced = tools.forced_grammar(body)
+        if forced is not None:
+            found.append(("tool_choice", forced))
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise spec.SpecError(found[1][0], f"one output constraint per request (got {names})")
+    return found[0] if found else None

@@ -8,6 +8,7 @@ an `APIError(400)` naming the field, the value and the setting that allows more.
 
 from __future__ import annotations
 
+import json
 import re
 
 from pydantic import BaseModel
@@ -37,6 +38,19 @@ def check_request(
         limits.max_stop_token_ids,
         what="stop token ids",
     )
+    if body.prompt_logprobs is not None:
+        _at_most("prompt_logprobs", body.prompt_logprobs, limits.max_logprobs, "--max-logprobs")
+    for name in (
+        "response_format",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+    ):
+        value = getattr(body, name)
+        if value is not None:
+            size = len(value) if isinstance(value, str) else len(json.dumps(value))
+            _at_most(name, size, limits.max_grammar_chars, what="characters of constraint")
     if isinstance(body, CompletionRequest):
         if body.logprobs is not None:
             _at_most("logprobs", body.logprobs, limits.max_logprobs, "--max-logprobs")
@@ -46,6 +60,10 @@ def check_request(
         if body.top_logprobs is not None:
             _at_most("top_logprobs", body.top_logprobs, limits.max_logprobs, "--max-logprobs")
         _at_most("messages", len(body.messages), limits.max_messages, what="messages")
+        if body.tools:
+            _at_most("tools", len(body.tools), limits.max_tools, what="tools")
+            size = len(json.dumps([t.model_dump(exclude_none=True) for t in body.tools]))
+            _at_most("tools", size, limits.max_grammar_chars, what="characters of tools")
         num_prompts = 1
     _at_most(
         "n",

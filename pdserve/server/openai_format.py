@@ -60,18 +60,55 @@ class TokenText:
         return text
 
 
-def completion_logprobs(lps: list[Logprob], text_of: TokenText, offset: int = 0) -> dict:
-    tokens = [text_of(lp.token_id) for lp in lps]
+def completion_logprobs(
+    lps: list[Logprob],
+    text_of: TokenText,
+    offset: int = 0,
+    prompt: tuple[list[int], list[Logprob | None]] | None = None,
+) -> dict:
+    """The completions API's logprobs of the output tokens; with `prompt` (echo: its token ids
+    and their logprobs), the prompt's tokens first, the very first one without a logprob."""
+    ids = [lp.token_id for lp in lps]
+    values: list[float | None] = [lp.logprob for lp in lps]
+    tops: list[dict | None] = [{text_of(t): v for t, v in lp.top} for lp in lps]
+    if prompt is not None:
+        prompt_ids, prompt_lps = prompt
+        ids = [*prompt_ids, *ids]
+        values = [lp.logprob if lp else None for lp in prompt_lps] + values
+        tops = [{text_of(t): v for t, v in lp.top} if lp else None for lp in prompt_lps] + tops
+    tokens = [text_of(t) for t in ids]
     offsets, pos = [], offset
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{text_of(t): v for t, v in lp.top} for lp in lps],
+        "token_logprobs": values,
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(lps: list[Logprob | None] | None, text_of: TokenText) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token, {token id: {logprob, rank, decoded_token}} for
+    the token itself and the top alternatives (None for the first token)."""
+    if lps is None:
+        return None
+    out: list[dict | None] = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {
+            str(t): {"logprob": v, "rank": None, "decoded_token": text_of(t)} for t, v in lp.top
+        }
+        entry[str(lp.token_id)] = {
+            "logprob": lp.logprob,
+            "rank": lp.rank,
+            "decoded_token": text_of(lp.token_id),
+        }
+        out.append(entry)
+    return out
 
 
 def chat_logprobs(lps: list[Logprob], text_of: TokenText) -> dict:
@@ -97,12 +134,24 @@ def completion_choice(index: int, c: CompletionOutput, text: str, logprobs: dict
     }
 
 
-def chat_choice(index: int, c: CompletionOutput, logprobs: dict | None) -> dict:
+def chat_choice(
+    index: int,
+    c: CompletionOutput,
+    logprobs: dict | None,
+    content: str | None = None,
+    tool_calls: list[dict] | None = None,
+) -> dict:
+    """A chat choice; with tool calls, `content` is the text around them (or None)."""
+    message = {"role": "assistant", "content": c.text if tool_calls is None else content}
+    finish_reason = c.finish_reason
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+        finish_reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
     return {
         "index": index,
-        "message": {"role": "assistant", "content": c.text},
+        "message": message,
         "logprobs": logprobs,
-        "finish_reason": c.finish_reason,
+        "finish_reason": finish_reason,
         "stop_reason": c.stop_reason,
     }
 

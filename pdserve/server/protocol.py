@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from pdserve.types import SamplingParams
@@ -73,6 +74,13 @@ class _SamplingBody(_Body):
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    prompt_logprobs: Int32 | None = None
+    # Structured output (one of them; `pdserve.structured.spec`)
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def stop_list(self) -> list[str]:
@@ -98,6 +106,7 @@ class _SamplingBody(_Body):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
         )
 
@@ -112,7 +121,32 @@ class CompletionRequest(_SamplingBody):
     logit_bias: dict[str, float] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
-        return self._sampling(self.max_tokens, self.logprobs)
+        params = self._sampling(self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None and params.prompt_logprobs is None:
+            # echo + logprobs scores the prompt too (what log-likelihood clients rely on)
+            params = msgspec.structs.replace(params, prompt_logprobs=self.logprobs)
+        return params
+
+
+class FunctionDef(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatMessage(BaseModel):
@@ -141,7 +175,9 @@ class ChatCompletionRequest(_SamplingBody):
     logprobs: StrictBool = False
     top_logprobs: Int32 | None = None
     add_generation_prompt: StrictBool = True
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
     logit_bias: dict[str, float] | None = None
 
     def to_sampling_params(self) -> SamplingParams:

@@ -43,7 +43,6 @@ MALFORMED = [
     (CMPL, cmpl(prompt=[-1]), 400, "token ids"),
     (CMPL, cmpl(prompt=[999999]), 400, "token ids"),
     (CMPL, cmpl(max_tokens="ten"), 400, "max_tokens"),
-    (CMPL, cmpl(max_tokens=0), 400, "max_tokens=0"),
     (CMPL, cmpl(max_tokens=-5), 400, "max_tokens=-5"),
     (CMPL, cmpl(max_tokens=100000), 400, "max_tokens=100000"),
     (CMPL, cmpl(max_tokens=2.5), 400, "max_tokens"),

@@ -141,13 +141,17 @@ def test_bad_requests_raise_clear_errors(llm, prompt, params, match):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"max_tokens": 0}, "max_tokens=0"),
+        ({"max_tokens": -1}, "max_tokens=-1"),
         ({"temperature": -0.5}, "temperature=-0.5"),
         ({"top_p": 0.0}, "top_p=0.0"),
         ({"top_p": 1.5}, "top_p=1.5"),
         ({"n": 0}, "n=0"),
         ({"min_p": 2.0}, "min_p=2.0"),
-        ({"logprobs": 50}, "logprobs=50"),
+        ({"logprobs": 5000}, "logprobs=5000"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs=-1"),
+        ({"temperature": float("nan")}, "temperature=nan"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty=inf"),
+        ({"seed": 2**64}, "seed="),
     ],
 )
 def test_bad_sampling_params(kwargs, match):
