@@ -86,6 +86,8 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
+        if not path.is_dir():
+            raise ValueError(f"invalid model={str(path)!r}: no such folder")
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ValueError(f"invalid model={str(path)!r}: no config.json in that folder")

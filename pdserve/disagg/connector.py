@@ -129,7 +129,8 @@ class _Transfer:
     dest: KVDest
     sent_upto: int  # tokens before this position are at the destination already
     num_bytes: int = 0
-    started: float | None = None
+    started: float | None = None  # when its first layer was queued
+    busy_s: float = 0.0  # time the transfer thread spent moving its rows
 
 
 @dataclass
@@ -138,6 +139,7 @@ class _StepJob:
     peer_id: int
     src: torch.Tensor  # [n] slots here
     dst: torch.Tensor  # [n] slots at the decode worker
+    transfer: _Transfer
     runs: list[tuple[int, int, int]] | None = None  # contiguous stretches, when long enough
 
 
@@ -220,7 +222,12 @@ class KVSender:
             if len(runs) > 1 and len(runs) * MIN_MEAN_RUN_TOKENS > len(pos):
                 runs = None
             job = _StepJob(
-                req.request_id, t.dest.worker_id, torch.from_numpy(src), torch.from_numpy(dst), runs
+                req.request_id,
+                t.dest.worker_id,
+                torch.from_numpy(src),
+                torch.from_numpy(dst),
+                t,
+                runs,
             )
             self.step_jobs.append(job)
             t.sent_upto = end
@@ -232,22 +239,19 @@ class KVSender:
         for job in self.step_jobs:
             self.jobs.put(("layer", layer, job))
 
-    def finish(self, request_id: str, first_token: int) -> tuple[int, float] | None:
+    def finish(self, request_id: str, first_token: int) -> tuple[int, float, float] | None:
         """The prefill of a request is complete: flush its KV, then signal the decode worker.
-        Returns (bytes, seconds) of the transfer."""
+        Returns (bytes, busy seconds, span seconds) of the transfer: the time spent moving its
+        rows, and the time from its first layer queued to now (which holds the prefill's compute
+        as well, the transfer running behind it)."""
         t = self.transfers.pop(request_id, None)
         if t is None:
             return None
         self.flush()
-        seconds = time.perf_counter() - (t.started or time.perf_counter())
-        self.jobs.put(
-            (
-                "ctl",
-                t.dest.worker_id,
-                KVDone(request_id, first_token, self.worker_id, t.num_bytes, seconds),
-            )
-        )
-        return t.num_bytes, seconds
+        span_s = time.perf_counter() - (t.started or time.perf_counter())
+        done = KVDone(request_id, first_token, self.worker_id, t.num_bytes, t.busy_s)
+        self.jobs.put(("ctl", t.dest.worker_id, done))
+        return t.num_bytes, t.busy_s, span_s
 
     def abort(self, request_id: str) -> None:
         t = self.transfers.pop(request_id, None)
@@ -276,7 +280,9 @@ class KVSender:
                     _, layer, job = item
                     peer = self.peers.get(job.peer_id)
                     if peer is not None:
+                        t0 = time.perf_counter()
                         peer.write_layer(job, layer, self.own[layer], self._seal)
+                        job.transfer.busy_s += time.perf_counter() - t0
                 elif kind == "ctl":
                     _, peer_id, msg = item
                     peer = self.peers.get(peer_id)

@@ -64,23 +64,35 @@ class StepStatsRecorder:
             qkv_bias=c.qkv_bias,
             qk_norm=c.qk_norm,
         )
-        self.peak_flops, self.peak_bytes = self._peaks()
+        self._peaks_threads = -1
+        self._update_peaks()
 
-    def _peaks(self) -> tuple[float | None, float | None]:
+    def _update_peaks(self) -> None:
+        """The peaks for the engine's current CPU thread count (it may change at run time)."""
+        import torch
+
+        threads = torch.get_num_threads()
+        if threads == self._peaks_threads:
+            return
+        self._peaks_threads = threads
+        self.peak_flops = self.peak_bytes = None
         try:
             from pdserve.perf.hardware import cached_hardware_profile
 
-            profile = cached_hardware_profile(self.hardware_profile, self.runner.device)
+            profile = cached_hardware_profile(self.hardware_profile, self.runner.device, threads)
         except (ImportError, OSError, ValueError) as e:
             logger.warning("no hardware profile (%s): MFU/MBU not reported", e)
-            return None, None
-        if profile is None:
-            return None, None
-        return profile.peak_flops_for(self.runner.dtype), profile.mem_bandwidth_bytes_s
+            return
+        if profile is not None:
+            self.peak_flops = profile.peak_flops_for(self.runner.dtype)
+            self.peak_bytes = profile.mem_bandwidth_bytes_s
+            if profile.source != "measured":
+                logger.info("hardware profile: %s (%s)", profile.name, profile.source)
 
     def record(
         self, plan: SchedulerOutput, t0: float, t1: float, sched: SchedulerStats
     ) -> StepStats:
+        self._update_peaks()
         q_lens = [s.num_new_tokens for s in plan.scheduled]
         ctx_lens = [s.request.num_computed_tokens for s in plan.scheduled]
         num_sampled = sum(1 for s in plan.scheduled if s.sample)

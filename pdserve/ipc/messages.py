@@ -114,7 +114,8 @@ class KVReceived(msgspec.Struct, array_like=True):
 class TransferStat(msgspec.Struct, array_like=True):
     request_id: str
     num_bytes: int
-    seconds: float
+    seconds: float  # time spent moving the rows (the transfer thread's busy time)
+    span_s: float  # first layer queued -> KV complete (overlaps the prefill's compute)
 
 
 class StepOutputs(msgspec.Struct, tag=True):

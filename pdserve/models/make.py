@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -276,6 +277,7 @@ def write_weights(
             filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = {spec.name: random_tensor(spec, seed, dtype) for spec in shard}
         save_file(tensors, str(out / filename), metadata={"format": "pt"})
+        _like_any_other_file(out / filename)
         del tensors
         weight_map.update({spec.name: filename for spec in shard})
     if len(shards) > 1:
@@ -289,6 +291,14 @@ def write_weights(
         }
         with open(out / "model.safetensors.index.json", "w", encoding="utf-8") as f:
             f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _like_any_other_file(path: Path) -> None:
+    """safetensors writes 0600; the weights get the mode the umask gives any new file, like the
+    JSON files beside them."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _remove_old_weights(out: Path) -> None:

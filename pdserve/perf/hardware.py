@@ -9,6 +9,7 @@ or at the path a caller passes (`--hardware-profile FILE`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -160,18 +161,27 @@ def _has_token(name: str, pattern: str) -> bool:
 # CPU measurement
 
 
-def cpu_name() -> str:
-    """The CPU model and the torch thread count (peaks depend on both)."""
+def cpu_model() -> str:
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"{model} ({torch.get_num_threads()} threads)"
+    return model
+
+
+def cpu_name(threads: int | None = None) -> str:
+    """The CPU model and a thread count (torch's current one by default): peaks depend on both."""
+    return f"{cpu_model()} ({threads or torch.get_num_threads()} threads)"
+
+
+def _threads_of(profile: HardwareProfile) -> int | None:
+    if profile.name.endswith(" threads)"):
+        return int(profile.name.rsplit("(", 1)[1].split()[0])
+    return None
 
 
 def measure_gemm_flops(
@@ -271,14 +281,17 @@ def profile_path(path: str | Path | None = None) -> Path:
 
 
 def cached_hardware_profile(
-    path: str | Path | None = None, device: str | torch.device = "cpu"
+    path: str | Path | None = None,
+    device: str | torch.device = "cpu",
+    threads: int | None = None,
 ) -> HardwareProfile | None:
     """The profile of `device` without measuring anything; None when the CPU has none yet.
 
     A file named by `path` or $PDSERVE_HARDWARE_PROFILE is used as it is when it exists (so a
     planner can read any device's profile). Otherwise CUDA devices come from the datasheet table
-    (ValueError for an unknown GPU), and the CPU from the default cache if that was measured on
-    this CPU model with this thread count.
+    (ValueError for an unknown GPU), and the CPU from the default cache, which holds one
+    measurement per thread count: the one for `threads` (torch's current count by default), else
+    the nearest one of this CPU model with its FLOP/s scaled to `threads` (stated in `source`).
     """
     chosen = path or os.environ.get(ENV_VAR)
     if chosen and profile_path(chosen).is_file():
@@ -290,15 +303,55 @@ def cached_hardware_profile(
         return datasheet_profile(torch.cuda.get_device_name(device))
     if device.type != "cpu":
         raise ValueError(f"device={str(device)!r}: expected cpu or cuda")
-    default = profile_path(None) if not chosen else None
-    if default is not None and default.is_file():
-        try:
-            cached = HardwareProfile.load(default)
-        except ValueError:  # unreadable: treated as absent, a new measurement replaces it
-            return None
-        if cached.name == cpu_name():
-            return cached
-    return None
+    if chosen:
+        return None
+    threads = threads or torch.get_num_threads()
+    measured = {
+        _threads_of(p): p
+        for p in read_cache(profile_path(None))
+        if p.name == cpu_name(_threads_of(p))
+    }
+    measured.pop(None, None)
+    if not measured:
+        return None
+    if threads in measured:
+        return measured[threads]
+    nearest = min(measured, key=lambda n: (abs(n - threads), n))
+    return scaled_profile(measured[nearest], nearest, threads)
+
+
+def scaled_profile(profile: HardwareProfile, measured: int, threads: int) -> HardwareProfile:
+    """An estimate for another thread count: FLOP/s in proportion to the threads; bandwidth as
+    measured (an upper bound for fewer threads, so MBU is, if anything, understated)."""
+    return dataclasses.replace(
+        profile,
+        name=cpu_name(threads),
+        peak_flops={k: v * threads / measured for k, v in profile.peak_flops.items()},
+        source=f"measured with {measured} threads, FLOP/s scaled to {threads}",
+    )
+
+
+def read_cache(path: Path) -> list[HardwareProfile]:
+    """The profiles in a cache file (one per thread count); [] if it is missing or unreadable."""
+    if not path.is_file():
+        return []
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        items = data["profiles"] if isinstance(data, dict) and "profiles" in data else [data]
+        return [HardwareProfile.from_json(json.dumps(item)) for item in items]
+    except (ValueError, TypeError, KeyError):
+        return []  # a new measurement replaces it
+
+
+def write_cache(path: Path, profile: HardwareProfile) -> Path:
+    """Add (or replace) `profile` in the cache file, next to those of other thread counts."""
+    kept = [p for p in read_cache(path) if p.name != profile.name]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    items = [dataclasses.asdict(p) for p in [*kept, profile]]
+    tmp.write_text(json.dumps({"profiles": items}, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)  # atomic: a concurrent reader never sees half a file
+    return path
 
 
 def load_hardware_profile(
@@ -312,10 +365,13 @@ def load_hardware_profile(
     `seconds`) saved where `profile_path(path)` points. `force` re-measures the CPU."""
     if not (force and torch.device(device).type == "cpu"):
         profile = cached_hardware_profile(path, device)
-        if profile is not None:
+        if profile is not None and "scaled" not in profile.source:
             return profile
     profile = measure_cpu_profile(seconds=seconds)
-    profile.save(profile_path(path))
+    if path or os.environ.get(ENV_VAR):
+        profile.save(profile_path(path))  # a named file holds one profile, as given
+    else:
+        write_cache(profile_path(None), profile)
     return profile
 
 

@@ -250,6 +250,7 @@ def build_app(
     tokenizer=None,
     disagg: DisaggConfig | None = None,
 ) -> FastAPI:
+    ModelConfig.from_pretrained(engine_args.model)  # a missing or bad folder: say so first
     if tokenizer is None:
         from pdserve.engine.llm_engine import load_tokenizer
 

@@ -108,10 +108,17 @@ class ServerMetrics:
         )
         self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes sent", LABELS, registry=r)
         self.kv_seconds = hist(
-            "kv_transfer_seconds", "first layer sent -> KV complete, per request"
+            "kv_transfer_seconds", "time spent moving one request's KV rows (busy, not waiting)"
+        )
+        self.kv_span = hist(
+            "kv_transfer_span_seconds",
+            "one request's first KV layer queued -> KV complete (overlaps its prefill compute)",
         )
         self.kv_gbps = Gauge(
-            "pdserve_kv_transfer_gbps", "GB/s of the last KV transfer", LABELS, registry=r
+            "pdserve_kv_transfer_gbps",
+            "bytes / busy time of the last KV transfer, GB/s",
+            LABELS,
+            registry=r,
         )
         self.kv_exposed = Gauge(
             "pdserve_kv_transfer_exposed_seconds",
@@ -142,6 +149,7 @@ class ServerMetrics:
         for t in msg.transfers:
             self.kv_bytes.labels(*lab).inc(t.num_bytes)
             self.kv_seconds.labels(*lab).observe(t.seconds)
+            self.kv_span.labels(*lab).observe(t.span_s)
             if t.seconds > 0:
                 self.kv_gbps.labels(*lab).set(t.num_bytes / t.seconds / 1e9)
         if worker.role == "prefill":

@@ -144,3 +144,37 @@ def test_cli_prints_the_profile(tmp_path, capsys):
     assert main(["profile-hardware", "--output", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "TFLOP/s" in printed and "GB/s" in printed and str(out) in printed
+
+
+def test_the_cache_keeps_one_measurement_per_thread_count(isolated_cache, fast_measure):
+    torch_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = load_hardware_profile()
+        torch.set_num_threads(2)
+        two = load_hardware_profile()
+        assert len(fast_measure) == 2
+        assert cached_hardware_profile(threads=1) == one
+        assert cached_hardware_profile(threads=2) == two
+        assert [p.name for p in hardware.read_cache(isolated_cache)] == [one.name, two.name]
+    finally:
+        torch.set_num_threads(torch_threads)
+
+
+def test_a_thread_count_never_measured_is_scaled_from_the_nearest(isolated_cache):
+    hardware.write_cache(isolated_cache, make_profile(name=hardware.cpu_name(2)))
+    four = cached_hardware_profile(threads=4)
+    assert four.name == hardware.cpu_name(4) and "scaled" in four.source
+    assert four.peak_flops == {"float32": 2e11, "bfloat16": 4e11}
+    assert four.mem_bandwidth_bytes_s == 2e10  # bandwidth is not scaled up
+
+
+def test_an_old_single_profile_cache_is_still_read(isolated_cache):
+    make_profile(name=hardware.cpu_name(3)).save(isolated_cache)
+    assert cached_hardware_profile(threads=3).name == hardware.cpu_name(3)
+
+
+def test_cli_measures_each_thread_count(capsys, fast_measure, isolated_cache):
+    assert main(["profile-hardware", "--threads", "1,2", "--seconds", "0.1"]) == 0
+    assert len(fast_measure) == 2 and len(hardware.read_cache(isolated_cache)) == 2
+    assert main(["profile-hardware", "--threads", "x"]) == 2
