@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from pdserve.config import EngineArgs
 
@@ -83,6 +84,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    if not Path(args.model).is_dir():  # before anything slow is imported
+        raise ValueError(f"invalid --model {args.model!r}: no such folder")
     return EngineArgs(
         model=args.model,
         tokenizer=args.tokenizer,

@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    engine_args = engine_args_from(args)  # a bad option fails before the slow imports
+
     from pdserve.engine.llm import LLM
     from pdserve.engine.summary import summarize
     from pdserve.types import SamplingParams
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM.from_engine_args(engine_args_from(args))
+    llm = LLM.from_engine_args(engine_args)
     outputs = llm.generate(prompts, params)
     summary = summarize(outputs, llm.engine.core.stats)
     if args.json:

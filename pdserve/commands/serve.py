@@ -226,15 +226,16 @@ def bind(host: str, port: int):
 
 
 def run(args: argparse.Namespace) -> int:
+    config = server_config_from(args)  # bad options, a missing model or a taken port fail
+    engine_args = engine_args_from(args)  # here, before the slow imports and the model load
+    disagg = disagg_config_from(args)
+    sock = bind(config.host, config.port)
+
     import uvicorn
 
     from pdserve.server.api import build_app
     from pdserve.server.guard import GuardedH11Protocol
 
-    config = server_config_from(args)
-    engine_args = engine_args_from(args)
-    disagg = disagg_config_from(args)
-    sock = bind(config.host, config.port)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )

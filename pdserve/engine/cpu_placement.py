@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 logger = logging.getLogger("pdserve.placement")
 
 BUSY_THRESHOLD = 0.5  # a CPU busier than this with other work is not ours to use
-SAMPLE_S = 0.3
+SAMPLE_S = 0.15  # /proc/stat counts in 10 ms ticks: 15 per CPU, enough for a 50% line
 IDLE_REPROBE_S = 10.0  # while idle, re-measure this often
 SLOWDOWN = 3.0  # decode steps this much slower than this worker's best: re-measure
 SLOW_STEPS = 8  # ... for this many steps in a row
@@ -59,42 +59,54 @@ def cpu_ticks() -> dict[int, tuple[int, int]]:
     return out
 
 
-def own_ticks() -> dict[int, int]:
-    """Per CPU: CPU ticks this process's threads spent, attributed to the CPU each thread last
-    ran on (threads rarely move within a pinned set)."""
+def own_ticks(pids: tuple[int | str, ...] = ("self",)) -> dict[int, int]:
+    """Per CPU: CPU ticks the threads of these processes spent, attributed to the CPU each
+    thread last ran on (threads rarely move within a pinned set)."""
     out: dict[int, int] = {}
-    for tid in os.listdir("/proc/self/task"):
+    for pid in pids:
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # the process ended
             continue
-        ticks = int(fields[11]) + int(fields[12])  # utime + stime
-        cpu = int(fields[36])
-        out[cpu] = out.get(cpu, 0) + ticks
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # the thread ended
+                continue
+            ticks = int(fields[11]) + int(fields[12])  # utime + stime
+            cpu = int(fields[36])
+            out[cpu] = out.get(cpu, 0) + ticks
     return out
 
 
 @dataclass
 class LoadSample:
-    """A snapshot to measure other processes' load from, once some time has passed."""
+    """A snapshot to measure other processes' load from, once some time has passed. `ours`
+    are the processes whose CPU time does not count as other work."""
 
+    ours: tuple[int | str, ...] = ("self",)
     cpu: dict[int, tuple[int, int]] = field(default_factory=cpu_ticks)
-    own: dict[int, int] = field(default_factory=own_ticks)
+    own: dict[int, int] = field(init=False)
     t: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.own = own_ticks(self.ours)
 
     def others_load(self, cpus) -> dict[int, float]:
         """Per CPU in `cpus`: the fraction of it other processes used since the snapshot."""
-        now_cpu, now_own = cpu_ticks(), own_ticks()
-        loads = {}
-        for c in cpus:
-            if c not in self.cpu or c not in now_cpu:
-                continue
-            busy = now_cpu[c][0] - self.cpu[c][0]
-            total = now_cpu[c][1] - self.cpu[c][1]
-            own = now_own.get(c, 0) - self.own.get(c, 0)
-            loads[c] = min(max((busy - own) / total, 0.0), 1.0) if total > 0 else 0.0
-        return loads
+        now_cpu, now_own = cpu_ticks(), own_ticks(self.ours)
+        cpus = [c for c in cpus if c in self.cpu and c in now_cpu]
+        busy = {c: now_cpu[c][0] - self.cpu[c][0] for c in cpus}
+        total = {c: now_cpu[c][1] - self.cpu[c][1] for c in cpus}
+        own = {c: now_own.get(c, 0) - self.own.get(c, 0) for c in cpus}
+        # Per CPU, our threads' time is attributed to where each last ran, which a migrating
+        # thread blurs; over all the CPUs it is exact. So the per-CPU figures are scaled to
+        # the exact total of other work.
+        per_cpu = {c: max(busy[c] - own[c], 0) for c in cpus}
+        exact = max(sum(busy.values()) - sum(own.values()), 0)
+        scale = exact / sum(per_cpu.values()) if sum(per_cpu.values()) > 0 else 0.0
+        return {c: min(per_cpu[c] * scale / total[c], 1.0) if total[c] > 0 else 0.0 for c in cpus}
 
 
 def choose(allowed: set[int], others_load: dict[int, float]) -> Placement:
@@ -112,8 +124,8 @@ def apply(placement: Placement) -> None:
     torch.set_num_threads(placement.num_threads)
 
 
-def measure(allowed: set[int], seconds: float = SAMPLE_S) -> Placement:
-    sample = LoadSample()
+def measure(allowed: set[int], ours=("self",), seconds: float = SAMPLE_S) -> Placement:
+    sample = LoadSample(tuple(ours))
     time.sleep(seconds)
     return choose(allowed, sample.others_load(allowed))
 
@@ -126,7 +138,8 @@ class PlacementMonitor:
 
     def __init__(self, allowed: set[int] | None = None) -> None:
         self.allowed = set(allowed or os.sched_getaffinity(0))
-        self.placement = measure(self.allowed)
+        # At start the parent (a server's frontend) is busy loading too, only for now.
+        self.placement = measure(self.allowed, ours=("self", os.getppid()))
         apply(self.placement)
         logger.info("engine threads: %s", self.placement.describe())
         self._idle_sample: LoadSample | None = None

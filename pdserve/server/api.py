@@ -56,7 +56,7 @@ logger = logging.getLogger("pdserve.server")
 
 class ServerState:
     def __init__(
-        self, engine_args: EngineArgs, config: ServerConfig, tokenizer, disagg: DisaggConfig
+        self, engine_args: EngineArgs, config: ServerConfig, tokenizer, client: EngineClient
     ) -> None:
         self.engine_args = engine_args
         self.config = config
@@ -67,24 +67,9 @@ class ServerState:
             getattr(tokenizer, "name_or_path", None) or engine_args.tokenizer or engine_args.model,
             config.chat_template,
         )
-        self.metrics = ServerMetrics()
-        specs = [
-            WorkerSpec(role, args, cpus) for role, args, cpus in worker_specs(engine_args, disagg)
-        ]
-        self.client = EngineClient(
-            specs,
-            tokenizer,
-            queue_timeout_s=config.queue_timeout_s,
-            disagg=DisaggOptions(
-                kv_transport=disagg.kv_transport,
-                kv_host=disagg.kv_host,
-                kv_transfer_timeout_s=disagg.kv_transfer_timeout_s,
-                min_prompt_tokens=disagg.min_prompt_tokens,
-                on_prefill_failure=disagg.on_prefill_failure,
-            ),
-            restart_workers=disagg.restart_workers,
-            metrics=self.metrics,
-        )
+        self.client = client
+        self.metrics = client.metrics
+        client.set_tokenizer(tokenizer)
         self.text_of = fmt.TokenText(tokenizer)
         if config.tool_call_parser == "auto":
             architecture = ModelConfig.from_pretrained(engine_args.model).architecture
@@ -155,6 +140,23 @@ class Admission:
     def close(self) -> None:
         self.state.num_unstarted -= self.remaining
         self.remaining = 0
+
+
+def engine_client(engine_args: EngineArgs, config: ServerConfig, disagg: DisaggConfig):
+    specs = [WorkerSpec(role, args, cpus) for role, args, cpus in worker_specs(engine_args, disagg)]
+    return EngineClient(
+        specs,
+        queue_timeout_s=config.queue_timeout_s,
+        disagg=DisaggOptions(
+            kv_transport=disagg.kv_transport,
+            kv_host=disagg.kv_host,
+            kv_transfer_timeout_s=disagg.kv_transfer_timeout_s,
+            min_prompt_tokens=disagg.min_prompt_tokens,
+            on_prefill_failure=disagg.on_prefill_failure,
+        ),
+        restart_workers=disagg.restart_workers,
+        metrics=ServerMetrics(),
+    )
 
 
 def default_model_name(model_path: str) -> str:
@@ -251,11 +253,17 @@ def build_app(
     disagg: DisaggConfig | None = None,
 ) -> FastAPI:
     ModelConfig.from_pretrained(engine_args.model)  # a missing or bad folder: say so first
-    if tokenizer is None:
-        from pdserve.engine.llm_engine import load_tokenizer
+    client = engine_client(engine_args, config, disagg or DisaggConfig())
+    client.spawn()  # the workers import torch and load the model while the tokenizer loads here
+    try:
+        if tokenizer is None:
+            from pdserve.engine.llm_engine import load_tokenizer
 
-        tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model)
-    state = ServerState(engine_args, config, tokenizer, disagg or DisaggConfig())
+            tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model)
+        state = ServerState(engine_args, config, tokenizer, client)
+    except BaseException:
+        client.kill()
+        raise
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

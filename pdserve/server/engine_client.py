@@ -136,7 +136,7 @@ class EngineClient:
     def __init__(
         self,
         specs: list[WorkerSpec],
-        tokenizer,
+        tokenizer=None,
         *,
         queue_timeout_s: float | None = None,
         disagg: DisaggOptions | None = None,
@@ -158,7 +158,7 @@ class EngineClient:
         self.decode = Decoder(FromWorker, self.secret)
         self.num_bad_frames = 0
         self.workers: list[WorkerHandle] = []
-        self.processor = OutputProcessor(tokenizer)
+        self.processor = OutputProcessor(tokenizer) if tokenizer is not None else None
         self.streams: dict[str, _Stream] = {}
         self.core_to_request: dict[str, str] = {}
         self.placement: dict[str, int] = {}  # core id -> decode (or colocated) worker
@@ -169,9 +169,27 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
 
     # ---- lifecycle -----------------------------------------------------------------------
+    def spawn(self) -> None:
+        """Start the worker processes; they load their model while the caller goes on (the
+        frontend loads its tokenizer meanwhile). `start` waits for them."""
+        if not self.workers:
+            self.workers = [self._spawn(i, spec) for i, spec in enumerate(self.specs)]
+
+    def set_tokenizer(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.processor = OutputProcessor(tokenizer)
+
+    def kill(self) -> None:
+        """Stop the spawned workers at once and remove the runtime directories (a failed
+        start, before any event loop runs)."""
+        for w in self.workers:
+            if w.proc.poll() is None:
+                w.proc.kill()
+                w.proc.wait()
+        self.dirs.remove()
+
     async def start(self, timeout_s: float = 600.0) -> None:
-        for i, spec in enumerate(self.specs):
-            self.workers.append(self._spawn(i, spec))
+        self.spawn()
         try:
             await self._wait_ready([w.worker_id for w in self.workers], timeout_s)
             self._check_layouts()

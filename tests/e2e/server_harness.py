@@ -11,9 +11,15 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
+
+
+def _sum(text: str, name: str, labels: str = "") -> float:
+    """Sum of a metric's samples (in Prometheus text) whose labels contain `labels`."""
+    pattern = rf"^{name}{{([^}}]*)}} (\S+)$"
+    return sum(float(v) for lab, v in re.findall(pattern, text, re.M) if labels in lab)
 
 
 def free_port() -> int:
@@ -26,6 +32,7 @@ def free_port() -> int:
 class Server:
     proc: subprocess.Popen
     port: int
+    headers: dict = field(default_factory=dict)  # the API key, when the server has one
 
     @property
     def url(self) -> str:
@@ -33,25 +40,30 @@ class Server:
 
     def metric(self, name: str, labels: str = "") -> float:
         """Sum of a metric's samples whose labels contain `labels` (e.g. 'role="decode"')."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        pattern = rf"^{name}{{([^}}]*)}} (\S+)$"
-        return sum(float(v) for lab, v in re.findall(pattern, text, re.M) if labels in lab)
+        text = self.metrics_text()
+        return _sum(text, name, labels)
+
+    def metrics_text(self) -> str:
+        with httpx.Client(timeout=10, headers=self.headers) as client:
+            return client.get(f"{self.url}/metrics").text
 
     def wait_idle(self, timeout_s: float = 15.0) -> None:
         """Wait until no request runs or waits and no KV block is referenced (the pool is whole)."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if (
-                self.metric("pdserve_num_requests_running") == 0
-                and self.metric("pdserve_num_requests_waiting") == 0
-                and self.metric("pdserve_kv_cache_usage_ratio") == 0
-            ):
-                return
-            time.sleep(0.1)
-        running = self.metric("pdserve_num_requests_running")
-        waiting = self.metric("pdserve_num_requests_waiting")
-        usage = self.metric("pdserve_kv_cache_usage_ratio")
-        raise AssertionError(f"not idle: running={running} waiting={waiting} kv_usage={usage}")
+        names = ("running", "waiting", "kv_usage")
+        with httpx.Client(timeout=10, headers=self.headers) as client:
+            while time.monotonic() < deadline:
+                text = client.get(f"{self.url}/metrics").text
+                values = [
+                    _sum(text, "pdserve_num_requests_running"),
+                    _sum(text, "pdserve_num_requests_waiting"),
+                    _sum(text, "pdserve_kv_cache_usage_ratio"),
+                ]
+                if not any(values):
+                    return
+                time.sleep(0.1)
+        state = ", ".join(f"{n}={v}" for n, v in zip(names, values))
+        raise AssertionError(f"not idle: {state}")
 
     def worker_pids(self) -> dict[tuple[str, int], int]:
         """(role, worker id) -> pid of every engine worker process (the server's children).
@@ -134,19 +146,21 @@ def start_server(
         preexec_fn=_die_with_parent,
         umask=umask,
     )
-    server = Server(proc, port)
+    key = extra[extra.index("--api-key") + 1] if "--api-key" in extra else None
+    server = Server(proc, port, {"authorization": f"Bearer {key}"} if key else {})
     _started.append(server)
     try:
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with code {proc.returncode}")
-            try:
-                if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                    return server
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        with httpx.Client(timeout=1) as client:  # one client: a new one per poll costs CPU
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with code {proc.returncode}")
+                try:
+                    if client.get(f"{server.url}/health").status_code == 200:
+                        return server
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
         raise RuntimeError("server did not become healthy")
     except BaseException:  # a failed start, or a Ctrl-C while it loads: leave nothing running
         server.stop()

@@ -6,20 +6,19 @@ from __future__ import annotations
 import json
 
 import pytest
-from server_harness import start_server
 
 from pdserve.cli import main
 
 
 @pytest.fixture(scope="module")
-def live(stories_path):
-    server = start_server(stories_path)
-    yield server
-    server.stop()
+def live(server):
+    return server  # the shared server, serving stories260K as "stories"
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_the_server_sees_the_intended_input_and_output_lengths(live, tmp_path, endpoint):
+def test_the_server_sees_the_intended_input_and_output_lengths(
+    live, tmp_path, endpoint, stories_path
+):
     out = tmp_path / "run.json"
     argv = ["bench", "--base-url", live.url, "--endpoint", endpoint, "--num-requests", "6",
             "--input-len", "60", "--output-len", "8", "--length-dist", "uniform",
@@ -31,7 +30,9 @@ def test_the_server_sees_the_intended_input_and_output_lengths(live, tmp_path, e
     assert [r["prompt_tokens"] for r in requests] == [r["input_len"] for r in requests]
     assert [r["completion_tokens"] for r in requests] == [r["output_len"] for r in requests]
     assert all(len(r["token_times"]) >= 1 for r in requests)
-    assert data["config"]["tokenizer"] == data["config"]["model"]  # found via /v1/models
+    # found through /v1/models: the served name, and the folder (its "root") for the tokenizer
+    assert data["config"]["model"] == "stories"
+    assert data["config"]["tokenizer"] == stories_path
     live.wait_idle()
 
 

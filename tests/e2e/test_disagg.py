@@ -7,6 +7,7 @@ server must be idle with no KV block referenced on any worker (read from its own
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,8 @@ STORY = (
     "Lily's mom said, let's go to the park. Lily was sad and did not know what to do."
 )
 PROMPTS = [STORY, "Tim and his dog", STORY[:120], "The sun was"]
+# Each of these starts servers of its own: they run in the slow suite (`-m slow`, CI runs it).
+SLOW = pytest.mark.slow
 SLOW_PREFILL = {"PDSERVE_TEST_PREFILL_STEP_DELAY_S": "0.1"}
 
 
@@ -85,6 +88,32 @@ def test_n2_seeded_sampling_equals_colocated(disagg, offline):
     disagg.wait_idle()
 
 
+def test_structured_output_and_prompt_scoring_across_the_split(disagg, offline):
+    """The prefill worker masks the first token, the decode worker the rest (its matcher catches
+    up on the token it received); a request that scores its prompt stays on the decode worker."""
+    from pdserve.structured import spec
+
+    regex = r"(yes|no), [a-z ]{1,30}\."
+    grammar = spec.regex_grammar(regex)
+    fresh = "A small red bird sat on a tree. It looked at the sky and sang a happy song. " * 2
+    remote_before = disagg.metric("pdserve_router_decisions_total", 'decision="remote"')
+    got = completion(disagg, fresh, guided_regex=regex, max_tokens=40)["choices"][0]["text"]
+    assert got == expected(offline, fresh, grammar=grammar, max_tokens=40)[0]
+    assert re.fullmatch(regex, got)
+    assert disagg.metric("pdserve_router_decisions_total", 'decision="remote"') > remote_before
+
+    scored = completion(disagg, STORY, max_tokens=0, echo=True, logprobs=0)["choices"][0]
+    want = offline.generate([STORY], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+    got_lps = scored["logprobs"]["token_logprobs"]
+    assert got_lps[0] is None
+    assert got_lps[1:] == pytest.approx([lp.logprob for lp in want.prompt_logprobs[1:]], abs=1e-5)
+    assert disagg.metric("pdserve_router_decisions_total", 'decision="local_only"') == 1
+    assert disagg.metric("pdserve_kv_transfer_span_seconds_sum") >= disagg.metric(
+        "pdserve_kv_transfer_seconds_sum"
+    )
+    disagg.wait_idle()
+
+
 def test_decode_worker_with_cached_prefix_receives_only_the_rest(disagg, offline):
     longer = (
         "Max was a big brown dog who lived on a farm with a boy named Sam. Every morning they "
@@ -109,6 +138,7 @@ def test_decode_worker_with_cached_prefix_receives_only_the_rest(disagg, offline
     disagg.wait_idle()
 
 
+@SLOW
 def test_tcp_transport_and_chunked_prefill_on_prefill_worker(stories_path, offline):
     s = start_server(
         stories_path,
@@ -131,6 +161,7 @@ def test_tcp_transport_and_chunked_prefill_on_prefill_worker(stories_path, offli
         s.stop()
 
 
+@SLOW
 def test_random_weight_model_equals_colocated(tiny_models):
     path = tiny_models["qwen3"]
     offline = LLM(path)
@@ -145,6 +176,7 @@ def test_random_weight_model_equals_colocated(tiny_models):
         s.stop()
 
 
+@SLOW
 def test_short_prompts_prefilled_on_the_decode_worker(stories_path, offline):
     s = start_server(stories_path, "--prefill-workers", "1", "--disagg-min-prompt-tokens", "20")
     try:
@@ -156,6 +188,7 @@ def test_short_prompts_prefilled_on_the_decode_worker(stories_path, offline):
         s.stop()
 
 
+@SLOW
 def test_prefill_worker_killed_mid_transfer_recomputes_on_decode(stories_path, offline):
     s = start_server(
         stories_path,
@@ -187,6 +220,7 @@ def test_prefill_worker_killed_mid_transfer_recomputes_on_decode(stories_path, o
         s.stop()
 
 
+@SLOW
 def test_prefill_failure_can_fail_the_request(stories_path):
     s = start_server(
         stories_path,
@@ -216,6 +250,7 @@ def test_prefill_failure_can_fail_the_request(stories_path):
         s.stop()
 
 
+@SLOW
 def test_transfer_timeout_falls_back_to_local_recompute(stories_path, offline):
     s = start_server(
         stories_path,
@@ -237,6 +272,7 @@ def test_transfer_timeout_falls_back_to_local_recompute(stories_path, offline):
         s.stop()
 
 
+@SLOW
 def test_client_abort_during_transfer_frees_both_sides(stories_path):
     s = start_server(
         stories_path,
@@ -256,6 +292,7 @@ def test_client_abort_during_transfer_frees_both_sides(stories_path):
         s.stop()
 
 
+@SLOW
 def test_decode_worker_killed_fails_its_requests_and_restarts(stories_path, offline):
     s = start_server(
         stories_path, "--prefill-workers", "1", "--decode-workers", "2", "--restart-workers"
@@ -295,6 +332,7 @@ def test_decode_worker_killed_fails_its_requests_and_restarts(stories_path, offl
         s.stop()
 
 
+@SLOW
 def test_mismatched_workers_fail_at_startup(stories_path):
     cmd = [
         sys.executable,

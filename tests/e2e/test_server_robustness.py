@@ -80,8 +80,17 @@ MALFORMED = [
         "text content",
     ),
     (CHAT, {"messages": "hi"}, 400, "messages"),
-    (CHAT, {**OK_CHAT, "top_logprobs": 99, "logprobs": True}, 400, "logprobs=99"),
+    (CHAT, {**OK_CHAT, "top_logprobs": 99, "logprobs": True}, 400, "invalid top_logprobs"),
+    (CHAT, {**OK_CHAT, "top_logprobs": 2}, 400, "invalid top_logprobs: needs logprobs"),
     (CHAT, {**OK_CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    (CMPL, cmpl(stream_options={"include_usage": True}), 400, "only allowed when stream"),
+    (CMPL, cmpl(frobnicate=1), 400, "unsupported field 'frobnicate'"),
+    (
+        CMPL,
+        cmpl(stream_options={"include_usage": True, "x": 1}, stream=True),
+        400,
+        "'stream_options.x'",
+    ),
 ]
 
 
@@ -129,7 +138,11 @@ JSON_VALUES = st.recursive(
 )
 
 
-def test_fuzzed_request_bodies_never_500(server, openapi):
+@pytest.mark.parametrize(
+    "examples",
+    [pytest.param(60, id="quick"), pytest.param(400, id="thorough", marks=pytest.mark.slow)],
+)
+def test_fuzzed_request_bodies_never_500(server, openapi, examples):
     """Bodies built from the served schema's field names with values of any JSON type."""
     schemas = openapi["components"]["schemas"]
     cases = [
@@ -139,7 +152,10 @@ def test_fuzzed_request_bodies_never_500(server, openapi):
     seen: set[int] = set()
 
     @settings(
-        max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True
+        max_examples=examples,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        derandomize=True,
     )
     @given(
         st.sampled_from(cases).flatmap(
@@ -211,19 +227,6 @@ def test_200_concurrent_streaming_clients(server):
     server.wait_idle()
 
 
-def test_api_key_required(stories_path):
-    s = start_server(stories_path, "--api-key", "sekret")
-    try:
-        assert httpx.post(s.url + CMPL, json=cmpl()).status_code == 401
-        bad = httpx.post(s.url + CMPL, json=cmpl(), headers={"authorization": "Bearer nope"})
-        assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
-        good = httpx.post(s.url + CMPL, json=cmpl(), headers={"authorization": "Bearer sekret"})
-        assert good.status_code == 200
-        assert httpx.get(s.url + "/health").status_code == 200
-    finally:
-        s.stop()
-
-
 def _burst(url: str, n: int, body: dict) -> list[httpx.Response]:
     async def main():
         async with httpx.AsyncClient(timeout=120) as client:
@@ -232,27 +235,21 @@ def _burst(url: str, n: int, body: dict) -> list[httpx.Response]:
     return asyncio.run(main())
 
 
-def test_overload_max_waiting_requests_503(stories_path):
-    s = start_server(stories_path, "--max-num-seqs", "1", "--max-waiting-requests", "2")
+@pytest.mark.slow
+def test_overload_and_queue_timeout_503(stories_path):
+    """One request runs, two may wait (and time out after 0.15 s), the rest are refused."""
+    s = start_server(
+        stories_path,
+        "--max-num-seqs", "1", "--max-waiting-requests", "2", "--queue-timeout", "0.15",
+    )  # fmt: skip
     try:
         rs = _burst(s.url, 10, cmpl(max_tokens=150, ignore_eos=True))
         codes = sorted(r.status_code for r in rs)
-        assert 503 in codes and 200 in codes and set(codes) <= {200, 503}
-        over = next(r for r in rs if r.status_code == 503)
-        assert "overloaded" in over.json()["error"]["message"] and over.headers["retry-after"]
-        s.wait_idle()
-    finally:
-        s.stop()
-
-
-def test_queue_timeout_503(stories_path):
-    s = start_server(stories_path, "--max-num-seqs", "1", "--queue-timeout", "0.15")
-    try:
-        rs = _burst(s.url, 4, cmpl(max_tokens=300, ignore_eos=True))
-        codes = [r.status_code for r in rs]
-        assert 200 in codes and 503 in codes
-        timed_out = next(r for r in rs if r.status_code == 503)
-        assert "queue timeout" in timed_out.json()["error"]["message"]
+        assert 200 in codes and set(codes) <= {200, 503}
+        messages = [r.json()["error"]["message"] for r in rs if r.status_code == 503]
+        assert any("overloaded" in m for m in messages)
+        assert any("queue timeout" in m for m in messages)
+        assert all(r.headers["retry-after"] for r in rs if r.status_code == 503)
         s.wait_idle()
     finally:
         s.stop()
@@ -300,7 +297,7 @@ def test_sigterm_shuts_down_cleanly(stories_path):
                 "POST",
                 s.url + CMPL,
                 timeout=30,
-                json=cmpl(max_tokens=450, ignore_eos=True, stream=True),
+                json=cmpl(max_tokens=200, ignore_eos=True, stream=True),
             ) as r:
                 done["lines"] = list(r.iter_lines())
         except httpx.HTTPError as e:

@@ -219,7 +219,9 @@ def test_a_conversation_with_tool_results_renders_and_auto_returns_text(qwen):
          "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "12 C, rain"},
     ]  # fmt: skip
-    r = post(qwen, CHAT, {"messages": messages, "tools": [WEATHER], "max_tokens": 8, "temperature": 0})
+    r = post(
+        qwen, CHAT, {"messages": messages, "tools": [WEATHER], "max_tokens": 8, "temperature": 0}
+    )
     message = r["choices"][0]["message"]
     assert message["role"] == "assistant" and "tool_calls" not in message  # random text: no call
     none = post(qwen, CHAT, chat(tools=[WEATHER], tool_choice="none", max_tokens=8))

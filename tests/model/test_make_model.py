@@ -4,6 +4,8 @@ with the config, weights and tokenizer the presets describe."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import time
 
 import pytest
@@ -228,6 +230,16 @@ def test_cli_writes_a_folder(tmp_path, capsys):
     assert config["model_type"] == "qwen2" and config["num_hidden_layers"] == 3
     assert config["tie_word_embeddings"] is False
     assert "Qwen2ForCausalLM" in capsys.readouterr().out
+
+
+def test_weights_get_the_mode_of_any_new_file(tmp_path):
+    old = os.umask(0o022)
+    try:
+        out = write_random_model(tmp_path / "m", "llama-tiny", seed=1)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o644, modes
 
 
 def test_cli_reports_bad_shapes(tmp_path, capsys):

@@ -60,8 +60,9 @@ def test_prefix_cache_hit_on_repeated_prompt(stories_path, stories_reference_tex
 def test_batch_of_8_mixed_lengths_matches_single_runs(llm, stories_reference_text):
     ids = llm.tokenizer.encode(stories_reference_text)
     prompts = [[1]] + [ids[:n] for n in (2, 5, 9, 17, 33, 64, 100)]
-    singles = [llm.generate([p], GREEDY_200)[0] for p in prompts]
-    batch = llm.generate(prompts, GREEDY_200)
+    params = [GREEDY_200] + [SamplingParams(temperature=0, max_tokens=60)] * 7
+    singles = [llm.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+    batch = llm.generate(prompts, params)
     assert batch[0].text == stories_reference_text
     for s, b in zip(singles, batch):
         assert b.token_ids == s.token_ids

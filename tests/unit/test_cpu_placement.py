@@ -40,7 +40,7 @@ class FakeLoads:
         outer = self
 
         class Sample:
-            def __init__(self):
+            def __init__(self, ours=("self",)):
                 self.t = -1e9  # old enough to be read at once
 
             def others_load(self, cpus):
