@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
+from fuzz import EXAMPLES, fuzz_request_bodies
 from hypothesis import strategies as st
 from server_harness import start_server
 
@@ -337,49 +337,9 @@ def _keep_it_short(body: dict) -> dict:
     return body
 
 
-@pytest.mark.parametrize(
-    "examples",
-    [pytest.param(40, id="quick"), pytest.param(400, id="thorough", marks=pytest.mark.slow)],
-)
+@pytest.mark.parametrize("examples", EXAMPLES)
 def test_fuzzed_extreme_values_never_500_and_the_server_survives(server, examples):
-    schemas = httpx.get(f"{server.url}/openapi.json").json()["components"]["schemas"]
-    cases = [
-        (CMPL, list(schemas["CompletionRequest"]["properties"])),
-        (CHAT, list(schemas["ChatCompletionRequest"]["properties"])),
-    ]
-    seen: set[int] = set()
-
-    @settings(
-        max_examples=examples,
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-        derandomize=True,
-    )
-    @given(
-        st.sampled_from(cases).flatmap(
-            lambda c: st.tuples(
-                st.just(c[0]),
-                st.dictionaries(st.sampled_from(c[1]), EXTREME_VALUES, max_size=6),
-            )
-        )
-    )
-    def check(case):
-        path, body = case
-        raw = json.dumps(_keep_it_short(body))  # NaN and Infinity as Python writes them
-        r = httpx.post(
-            server.url + path,
-            content=raw,
-            headers={"content-type": "application/json"},
-            timeout=60,
-        )
-        seen.add(r.status_code)
-        assert r.status_code in (200, 400, 404), (r.status_code, raw[:300], r.text[:300])
-        if r.status_code != 200:
-            assert r.json()["error"]["message"]
-        elif body.get("stream") is True:
-            assert r.text.rstrip().endswith("data: [DONE]")
-
-    check()
+    seen = fuzz_request_bodies(server, EXTREME_VALUES, examples, _keep_it_short)
     assert 400 in seen
     assert_healthy(server)
     server.wait_idle()
