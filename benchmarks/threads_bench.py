@@ -111,6 +111,11 @@ def run_case(name: str, model: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=f"{STORIES},{DEFAULT_125M}")
+    p.add_argument(
+        "--states", default="idle,busy", help="machine states to measure, comma-separated"
+    )
+    p.add_argument("--cases", default=",".join(CASES),
+                   help="cases for the first model; the others run 'generate' only")  # fmt: skip
     p.add_argument("--output")
     a = p.parse_args()
     models = a.models.split(",")
@@ -118,14 +123,14 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "pdserve.cli", "make-model", "--preset",
                         "llama-125m", str(DEFAULT_125M)], check=True)  # fmt: skip
     results = []
-    for state in ("idle", "busy"):
+    for state in a.states.split(","):
         busy = None
         if state == "busy":
             busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
             time.sleep(1.0)
         try:
             for model in models:
-                names = ["generate"] if model != models[0] else list(CASES)
+                names = ["generate"] if model != models[0] else a.cases.split(",")
                 for name in names:
                     r = {"state": state, "model": Path(model).name, "case": name,
                          **run_case(name, model)}  # fmt: skip
