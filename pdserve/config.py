@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from pdserve.types import KVTransportKind, PrefillFailurePolicy, Role
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
@@ -394,11 +396,11 @@ class DisaggConfig:
 
     num_prefill_workers: int = 0
     num_decode_workers: int = 1
-    kv_transport: str = "shm"  # "shm" (one host) | "tcp"
+    kv_transport: KVTransportKind = KVTransportKind.SHM
     kv_host: str = "127.0.0.1"  # where decode workers bind their TCP KV channel
     kv_transfer_timeout_s: float = 30.0
     min_prompt_tokens: int = 0  # shorter prompts are prefilled on the decode worker
-    on_prefill_failure: str = "recompute"  # "recompute" | "fail"
+    on_prefill_failure: PrefillFailurePolicy = PrefillFailurePolicy.RECOMPUTE
     prefill_cpus: tuple[str, ...] = ()  # one CPU set per prefill worker (cycled), e.g. ("0",)
     decode_cpus: tuple[str, ...] = ()
     prefill_overrides: dict[str, Any] = field(default_factory=dict)  # EngineArgs fields
@@ -422,11 +424,12 @@ class DisaggConfig:
             "more than one needs --prefill-workers >= 1",
         )
         _require(
-            self.kv_transport in ("shm", "tcp"),
+            self.kv_transport in KVTransportKind.__members__.values(),
             "kv_transport",
             self.kv_transport,
             "must be shm or tcp",
         )
+        object.__setattr__(self, "kv_transport", KVTransportKind(self.kv_transport))
         _require(
             self.kv_transfer_timeout_s > 0,
             "kv_transfer_timeout",
@@ -434,11 +437,13 @@ class DisaggConfig:
             "must be > 0",
         )
         _require(
-            self.on_prefill_failure in ("recompute", "fail"),
+            self.on_prefill_failure in PrefillFailurePolicy.__members__.values(),
             "on_prefill_failure",
             self.on_prefill_failure,
             "must be recompute or fail",
         )
+        policy = PrefillFailurePolicy(self.on_prefill_failure)
+        object.__setattr__(self, "on_prefill_failure", policy)
         allowed = EngineArgs.field_names() - {"model", "tokenizer"}
         for name in (*self.prefill_overrides, *self.decode_overrides):
             _require(name in allowed, "pool override", name, "is not an engine argument")
@@ -450,19 +455,19 @@ class DisaggConfig:
 
 def worker_specs(
     args: EngineArgs, disagg: DisaggConfig
-) -> list[tuple[str, EngineArgs, str | None]]:
+) -> list[tuple[Role, EngineArgs, str | None]]:
     """(role, engine args, CPU set) of every worker, prefill workers first."""
     if not disagg.disaggregated:
         cpus = disagg.decode_cpus[0] if disagg.decode_cpus else None
-        return [("both", args, cpus)]
+        return [(Role.BOTH, args, cpus)]
     out = []
     # oneDNN's spinning threads and per-shape kernel builds hurt when several engine processes
     # share cores: disaggregated pools keep F.linear unless the user asks for oneDNN.
     if args.linear_backend == "auto":
         args = replace(args, linear_backend="torch")
     for role, n, overrides, cpus in (
-        ("prefill", disagg.num_prefill_workers, disagg.prefill_overrides, disagg.prefill_cpus),
-        ("decode", disagg.num_decode_workers, disagg.decode_overrides, disagg.decode_cpus),
+        (Role.PREFILL, disagg.num_prefill_workers, disagg.prefill_overrides, disagg.prefill_cpus),
+        (Role.DECODE, disagg.num_decode_workers, disagg.decode_overrides, disagg.decode_cpus),
     ):
         pool_args = replace(args, **overrides)
         for i in range(n):

@@ -135,6 +135,33 @@ def _check(ok: bool, name: str, value: object, why: str) -> None:
         raise ValueError(f"invalid {name}={value!r}: {why}")
 
 
+class Role(enum.StrEnum):
+    """What an engine worker does: everything (colocated), or one phase of a P/D split."""
+
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+    @property
+    def decodes(self) -> bool:
+        """It generates tokens after the first (and so can take a request end to end)."""
+        return self is not Role.PREFILL
+
+
+class KVTransportKind(enum.StrEnum):
+    """How a prefill worker's KV reaches a decode worker."""
+
+    SHM = "shm"  # one host: the decode worker's cache in a shared-memory file
+    TCP = "tcp"  # across hosts: layer rows as ZMQ frames
+
+
+class PrefillFailurePolicy(enum.StrEnum):
+    """What a decode worker does when the prefill of a handed-off request fails."""
+
+    RECOMPUTE = "recompute"  # compute the prompt itself
+    FAIL = "fail"  # end the request with 503
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"

@@ -233,8 +233,8 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from pdserve.server.api import build_app
-    from pdserve.server.guard import GuardedH11Protocol
+    from pdserve.frontend.api import build_app
+    from pdserve.frontend.guard import GuardedH11Protocol
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from pdserve.config import EngineArgs
 from pdserve.engine.core import EngineCore
-from pdserve.engine.output_processor import OutputProcessor, child_requests
+from pdserve.frontend.output_processor import OutputProcessor, child_requests
 from pdserve.types import RequestOutput, SamplingParams
 
 

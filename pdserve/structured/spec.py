@@ -5,7 +5,7 @@ Sources, each a way users of OpenAI or vLLM ask for it:
   "json_schema": {"schema": {...}}}`; `{"type": "text"}` is no constraint.
 - vLLM's extras: `guided_json` (a schema), `guided_regex`, `guided_choice` (one of some strings),
   `guided_grammar` (a Lark grammar).
-- tool calling with `tool_choice` "required" or a named function (`pdserve.server.tools`).
+- tool calling with `tool_choice` "required" or a named function (`pdserve.frontend.tools`).
 
 A request may ask for one of them. The grammar travels to the engine in `SamplingParams.grammar`
 (llguidance's own JSON form); `check` compiles it once in the frontend so a bad schema, regex or

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from pdserve.engine.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
+from pdserve.frontend.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
 
 MODEL_DIR = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K"
 BOS_ID, EOS_ID = 1, 2

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pdserve.server import tools
-from pdserve.server.protocol import ChatCompletionRequest
+from pdserve.frontend import tools
+from pdserve.frontend.protocol import ChatCompletionRequest
 from pdserve.structured.spec import SpecError
 
 WEATHER = {

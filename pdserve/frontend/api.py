@@ -24,15 +24,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pdserve
 from pdserve.config import DisaggConfig, EngineArgs, ModelConfig, ServerConfig, worker_specs
-from pdserve.server import openai_format as fmt
-from pdserve.server.engine_client import (
+from pdserve.frontend import openai_format as fmt
+from pdserve.frontend.engine_client import (
     DisaggOptions,
     EngineClient,
     EngineDeadError,
     RequestRejected,
     WorkerSpec,
 )
-from pdserve.server.errors import (
+from pdserve.frontend.errors import (
     APIError,
     SafeJSONResponse,
     api_error_handler,
@@ -42,16 +42,16 @@ from pdserve.server.errors import (
     internal_error_handler,
     validation_handler,
 )
-from pdserve.server.guard import GuardMiddleware
-from pdserve.server.inputs import InputProcessor
-from pdserve.server.limits import check_request
-from pdserve.server.metrics import ServerMetrics
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.server.responses import ChatResponder, CompletionResponder
-from pdserve.server.tools import PARSERS, parser_for
+from pdserve.frontend.guard import GuardMiddleware
+from pdserve.frontend.inputs import InputProcessor
+from pdserve.frontend.limits import check_request
+from pdserve.frontend.metrics import ServerMetrics
+from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.frontend.responses import ChatResponder, CompletionResponder
+from pdserve.frontend.tools import PARSERS, parser_for
 from pdserve.types import RequestOutput, SamplingParams
 
-logger = logging.getLogger("pdserve.server")
+logger = logging.getLogger("pdserve.frontend")
 
 
 class ServerState:

@@ -3,14 +3,14 @@
 A responder is made per request. `final(i, out)` gives the choices of prompt `i`'s finished
 output; `chunk(i, out)` the stream choices of one step's new output (none when there is nothing
 to send). Completions add echo (the prompt in front of the text, and its logprobs in front of
-the output's), chat adds tool calls (`pdserve.server.tools`).
+the output's), chat adds tool calls (`pdserve.frontend.tools`).
 """
 
 from __future__ import annotations
 
-from pdserve.server import openai_format as fmt
-from pdserve.server import tools
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.frontend import openai_format as fmt
+from pdserve.frontend import tools
+from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.types import CompletionOutput, RequestOutput
 
 

@@ -21,7 +21,7 @@ import json
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pdserve.server.errors import error_body, error_response
+from pdserve.frontend.errors import error_body, error_response
 
 OPEN_PATHS = ("/health", "/version")
 DRAIN_BYTES_FACTOR = 4

@@ -14,8 +14,8 @@ import re
 from pydantic import BaseModel
 
 from pdserve.config import RequestLimits
-from pdserve.server.errors import APIError
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.frontend.errors import APIError
+from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def check_request(

@@ -20,7 +20,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from pdserve.server.protocol import ChatCompletionRequest
+from pdserve.frontend.protocol import ChatCompletionRequest
 from pdserve.structured import spec
 
 

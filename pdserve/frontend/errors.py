@@ -15,9 +15,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.server.protocol import UnknownFieldError
+from pdserve.frontend.protocol import UnknownFieldError
 
-logger = logging.getLogger("pdserve.server")
+logger = logging.getLogger("pdserve.frontend")
 
 _TYPES = {
     400: "invalid_request_error",

@@ -40,7 +40,7 @@ import zmq.asyncio
 from pdserve.config import EngineArgs
 from pdserve.disagg.protocol import KVDest
 from pdserve.disagg.router import Router
-from pdserve.engine.output_processor import OutputProcessor
+from pdserve.frontend.output_processor import OutputProcessor
 from pdserve.ipc.channel import (
     SECRET_ENV,
     BadFrame,
@@ -65,7 +65,7 @@ from pdserve.ipc.messages import (
 )
 from pdserve.types import EngineCoreOutput, RequestOutput, SamplingParams
 
-logger = logging.getLogger("pdserve.server")
+logger = logging.getLogger("pdserve.frontend")
 
 
 class EngineDeadError(RuntimeError):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.frontend.detokenizer import IncrementalDetokenizer
 from pdserve.types import (
     CompletionOutput,
     EngineCoreOutput,

@@ -6,7 +6,7 @@ to what the engine can represent, so an absurd value is a 400, never an overflow
 field pdserve does not know is a 400 naming it, except the metadata fields in `IGNORED_FIELDS`,
 which are accepted and ignored. `to_sampling_params` turns a body into `SamplingParams`, whose own
 validation names the field and the value of any bad setting; the configurable per-request limits
-(`--max-n`, ...) are checked in `pdserve.server.limits` before any work is done.
+(`--max-n`, ...) are checked in `pdserve.frontend.limits` before any work is done.
 """
 
 from __future__ import annotations

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import msgspec
 
-from pdserve.server import tools
-from pdserve.server.errors import APIError
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.server.tokenize import PromptTokenizer
+from pdserve.frontend import tools
+from pdserve.frontend.errors import APIError
+from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.frontend.tokenize import PromptTokenizer
 from pdserve.structured import spec
 from pdserve.types import SamplingParams
 
