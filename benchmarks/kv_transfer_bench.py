@@ -150,7 +150,7 @@ def tcp_seconds(cfg, model, layout, tokens, block_size, own) -> float:
 def exposed_seconds(model: str, tokens: int, block_size: int) -> dict:
     """A real prefill with the shm sender hooked into every layer."""
     from pdserve.engine.core import EngineCore
-    from pdserve.types import SamplingParams
+    from pdserve.types import KVRole, SamplingParams
 
     args = EngineArgs(
         model=model,
@@ -184,7 +184,7 @@ def exposed_seconds(model: str, tokens: int, block_size: int) -> dict:
         prompt = rng.integers(3, cfg.vocab_size, tokens - 1).tolist()
         rid = f"p{i}"
         req = core.make_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0))
-        req.kv_role = "send"
+        req.kv_role = KVRole.SEND
         dest = KVDest(1, list(range(tokens // block_size)), 0)
         req.kv_dest = dest
         sender.add_request(rid, dest)
@@ -197,7 +197,7 @@ def exposed_seconds(model: str, tokens: int, block_size: int) -> dict:
         t1 = time.perf_counter()
         stats = sender.finish(rid, req.output_token_ids[0] if req.output_token_ids else 0)
         t2 = time.perf_counter()
-        core.scheduler.handed_off.clear()
+        core.scheduler.remote.take_handed_off()
         results.append(
             {
                 "prefill_s": t1 - t0,

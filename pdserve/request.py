@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.types import RequestMetrics, RequestStatus, SamplingParams
+from pdserve.types import KVRole, RequestMetrics, RequestStatus, SamplingParams
 
 
 @dataclass(slots=True, eq=False)
@@ -37,7 +37,7 @@ class Request:
     queue_deadline: float | None = None  # abort if still unscheduled at this time
     # Disaggregation: "receive" (a decode worker waits for the prompt's KV from a prefill worker)
     # or "send" (a prefill worker computes the prompt, ships its KV, and hands the request off).
-    kv_role: str | None = None
+    kv_role: KVRole | None = None
     kv_dest: Any = None  # for "send": where the KV goes (pdserve.disagg.KVDest)
 
     def __post_init__(self) -> None:

@@ -155,6 +155,13 @@ class KVTransportKind(enum.StrEnum):
     TCP = "tcp"  # across hosts: layer rows as ZMQ frames
 
 
+class KVRole(enum.StrEnum):
+    """A request's part in a handoff, on the worker that holds it."""
+
+    SEND = "send"  # prefill worker: compute the prompt, ship its KV, hand the request off
+    RECEIVE = "receive"  # decode worker: reserve blocks, wait for the KV, decode on
+
+
 class PrefillFailurePolicy(enum.StrEnum):
     """What a decode worker does when the prefill of a handed-off request fails."""
 
@@ -260,6 +267,8 @@ class EngineCoreOutput:
     num_cached_tokens: int | None = None
     num_preemptions: int = 0
     error: str | None = None  # why an aborted request was ended by the engine
+    error_code: str | None = None  # "queue_timeout", or the `InvalidRequest` code (a 400)
+    error_param: str | None = None  # the request parameter at fault, when there is one
     # With the first output, when asked for: one entry per prompt token (the first is None).
     prompt_logprobs: list[Logprob | None] | None = None
 
@@ -289,7 +298,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
-    error: str | None = None
+    error: str | None = None  # why the engine refused the request
+    error_code: str | None = None  # "queue_timeout", or what was invalid (see `EngineCoreOutput`)
+    error_param: str | None = None
     prompt_logprobs: list[Logprob | None] | None = None  # when asked for: one per prompt token
 
     # Convenience accessors for the common n=1 case.

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import msgspec
 
+from pdserve.types import KVTransportKind
+
 
 class KVLayout(msgspec.Struct, frozen=True):
     model: str  # the model's identity: architecture and shapes (see `model_identity`)
@@ -53,7 +55,7 @@ class PeerEndpoint(msgspec.Struct, frozen=True):
 
     worker_id: int
     kv_address: str  # ZMQ address of the decode worker's KV channel
-    transport: str  # "shm" | "tcp"
+    transport: KVTransportKind
     shm_path: str | None  # shm: the file that holds the decode worker's cache
     layout: KVLayout
 

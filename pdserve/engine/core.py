@@ -11,6 +11,7 @@ import time
 from concurrent.futures import Future
 
 from pdserve.config import EngineArgs, ModelConfig
+from pdserve.disagg.connector.base import KVConnector
 from pdserve.engine import cpu_placement
 from pdserve.engine.cpu_placement import PlacementMonitor
 from pdserve.engine.stats import StepStats, StepStatsRecorder
@@ -20,6 +21,7 @@ from pdserve.runner.model_runner import ModelRunner
 from pdserve.sched.scheduler import Scheduler
 from pdserve.structured.matcher import GrammarCompiler
 from pdserve.types import EngineCoreOutput, RequestStatus, SamplingParams
+from pdserve.validation import EngineLimits
 
 
 def place_threads(args: EngineArgs) -> PlacementMonitor | None:
@@ -36,7 +38,10 @@ def place_threads(args: EngineArgs) -> PlacementMonitor | None:
 
 class EngineCore:
     def __init__(
-        self, args: EngineArgs, model_config: ModelConfig | None = None, kv_cache_factory=None
+        self,
+        args: EngineArgs,
+        model_config: ModelConfig | None = None,
+        connector: KVConnector | None = None,
     ) -> None:
         self.args = args
         self.model_config = model_config or ModelConfig.from_pretrained(args.model)
@@ -49,6 +54,7 @@ class EngineCore:
             max_len = args.max_model_len
         self.max_model_len = max_len
         self.placement = place_threads(args)
+        self.connector = connector or KVConnector()  # colocated: no KV crosses workers
         cache_config = args.cache_config()
         self.runner = ModelRunner(
             self.model_config,
@@ -57,17 +63,27 @@ class EngineCore:
             args.dtype,
             max_len,
             args.seed,
-            kv_cache_factory=kv_cache_factory,
+            kv_cache_factory=self.connector.kv_cache_factory(),
             linear_backend=args.linear_backend,
         )
         self.kv = KVCacheManager(
             self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(args.scheduler_config(max_len), self.kv)
+        sched_config = args.scheduler_config(max_len)
+        self.scheduler = Scheduler(sched_config, self.kv)
+        self.limits = EngineLimits(
+            max_len,
+            self.model_config.vocab_size,
+            kv_capacity=self.kv.num_blocks * self.kv.block_size,
+            max_unchunked_prompt=(
+                None if sched_config.enable_chunked_prefill else sched_config.max_num_batched_tokens
+            ),
+        )
         self.stats = StepStatsRecorder(self.model_config, self.runner, args.hardware_profile)
         # Structured output: requests wait here while their grammar compiles (off this thread).
         self.grammars: GrammarCompiler | None = None  # made for the first such request
         self.compiling: dict[str, tuple[Request, Future]] = {}
+        self.connector.attach(self)
 
     # ---- requests ------------------------------------------------------------------------
     def make_request(
@@ -78,34 +94,7 @@ class EngineCore:
         arrival_time: float | None = None,
     ) -> Request:
         """Validate a tokenized request against this engine's limits and build its state."""
-        if not prompt_token_ids:
-            raise ValueError("invalid prompt: it is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"invalid prompt token id {bad[0]}: the vocabulary has {vocab} ids")
-        n = len(prompt_token_ids)
-        room = self.max_model_len - n
-        if room < 1:
-            raise ValueError(
-                f"invalid prompt: {n} tokens is longer than the model's context "
-                f"({self.max_model_len} tokens, room for at least one output token needed)"
-            )
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(
-                f"invalid max_tokens={params.max_tokens}: the prompt has {n} tokens and the "
-                f"context {self.max_model_len}, so at most {room} can be generated"
-            )
-        capacity = self.kv.num_blocks * self.kv.block_size
-        # No max_tokens: up to the context, or as much as the whole KV cache holds.
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = min(room, capacity - n)
-        if n + max_tokens > capacity or (params.max_tokens is None and max_tokens < 1):
-            raise ValueError(
-                f"invalid request: {n} prompt + {max_tokens} output tokens exceed the KV cache "
-                f"({capacity} tokens); raise --kv-cache-memory or lower max_tokens"
-            )
+        max_tokens = self.limits.check(prompt_token_ids, params.max_tokens)
         kwargs = {} if arrival_time is None else {"arrival_time": arrival_time}
         return Request(
             request_id,
@@ -151,7 +140,9 @@ class EngineCore:
     ) -> list[Request]:
         for rid in request_ids:
             self.compiling.pop(rid, None)
-        return self.scheduler.finish_requests(request_ids, status, release_kv)
+        ended = self.scheduler.finish_requests(request_ids, status, release_kv)
+        self.connector.forget(request_ids)
+        return ended
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -170,7 +161,10 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return outputs
-        return outputs + self.execute(plan)
+        self.connector.begin_step(plan, self.kv.req_block_ids)
+        outputs += self.execute(plan)
+        self.connector.end_step(self.scheduler.remote.take_handed_off(), outputs)
+        return outputs
 
     def execute(self, plan) -> list[EngineCoreOutput]:
         """Run a scheduled plan: forward, sample, update (for callers that act between)."""

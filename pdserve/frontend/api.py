@@ -26,7 +26,6 @@ import pdserve
 from pdserve.config import DisaggConfig, EngineArgs, ModelConfig, ServerConfig, worker_specs
 from pdserve.frontend import openai_format as fmt
 from pdserve.frontend.engine_client import (
-    DisaggOptions,
     EngineClient,
     EngineDeadError,
     RequestRejected,
@@ -120,7 +119,9 @@ class ServerState:
                     admission.started_one()
                 yield out
         except RequestRejected as e:
-            raise APIError(503, f"request not served: {e}", code="queue_timeout") from None
+            if e.code == "queue_timeout":
+                raise APIError(503, f"request not served: {e}", code="queue_timeout") from None
+            raise APIError(400, str(e), param=e.param, code=e.code) from None
         except EngineDeadError as e:
             raise APIError(503, f"engine unavailable: {e}") from None
 
@@ -147,14 +148,7 @@ def engine_client(engine_args: EngineArgs, config: ServerConfig, disagg: DisaggC
     return EngineClient(
         specs,
         queue_timeout_s=config.queue_timeout_s,
-        disagg=DisaggOptions(
-            kv_transport=disagg.kv_transport,
-            kv_host=disagg.kv_host,
-            kv_transfer_timeout_s=disagg.kv_transfer_timeout_s,
-            min_prompt_tokens=disagg.min_prompt_tokens,
-            on_prefill_failure=disagg.on_prefill_failure,
-        ),
-        restart_workers=disagg.restart_workers,
+        disagg=disagg,
         metrics=ServerMetrics(),
     )
 

@@ -21,6 +21,7 @@ from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.frontend.tokenize import PromptTokenizer
 from pdserve.structured import spec
 from pdserve.types import SamplingParams
+from pdserve.validation import EngineLimits, InvalidRequest
 
 
 class InputProcessor:
@@ -28,15 +29,14 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.prompt_tokenizer = PromptTokenizer(tokenizer, tokenizer_path)
         self.chat_template = Path(chat_template).read_text() if chat_template else None
-        self.max_model_len = 0  # set once the workers report (`set_model_limits`)
-        self.vocab_size = 0
+        self.limits = EngineLimits(0, 0)  # set once the workers report (`set_model_limits`)
         # Grammars are checked in a thread of their own: an expensive one never holds up
         # tokenization. The llguidance tokenizer is built on first use (~1 s).
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
         self._llg_tokenizer = None
 
     def set_model_limits(self, max_model_len: int, vocab_size: int) -> None:
-        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        self.limits = EngineLimits(max_model_len, vocab_size)
 
     def close(self) -> None:
         self.prompt_tokenizer.close()
@@ -67,7 +67,7 @@ class InputProcessor:
 
     async def _encode(self, text: str, add_special_tokens: bool, truncate: int | None) -> list[int]:
         enc = await self.prompt_tokenizer.encode(
-            text, add_special_tokens, truncate, self.max_model_len - 1
+            text, add_special_tokens, truncate, self.limits.max_model_len - 1
         )
         if enc.ids is None:
             raise self._too_long(enc.num_tokens)
@@ -131,7 +131,7 @@ class InputProcessor:
             import llguidance.hf
 
             self._llg_tokenizer = llguidance.hf.from_tokenizer(
-                self.tokenizer, n_vocab=self.vocab_size
+                self.tokenizer, n_vocab=self.limits.vocab_size
             )
         spec.check(grammar, field, self._llg_tokenizer)
 
@@ -140,36 +140,15 @@ class InputProcessor:
         """The prompt the engine gets (cut to `truncate` tokens), or a 400 saying why not."""
         if truncate is not None:
             ids = ids[-truncate:]
-        if not ids:
-            raise APIError(400, "invalid prompt: it is empty", param="prompt")
-        vocab = self.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise APIError(
-                400, f"invalid prompt: token ids must be in [0, {vocab})", param="prompt"
-            )
-        if len(ids) >= self.max_model_len:
-            raise self._too_long(len(ids))
-        max_len = self.max_model_len
-        if params.max_tokens is not None and len(ids) + params.max_tokens > max_len:
-            raise APIError(
-                400,
-                f"invalid max_tokens={params.max_tokens}: the prompt has "
-                f"{len(ids)} tokens and the context is {max_len}, so at most "
-                f"{max_len - len(ids)} can be generated",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
+        try:
+            self.limits.check(ids, params.max_tokens)
+        except InvalidRequest as e:
+            raise APIError(400, str(e), param=e.param, code=e.code) from None
         return ids
 
     def _too_long(self, num_tokens: int) -> APIError:
-        return APIError(
-            400,
-            f"the prompt has {num_tokens} tokens, but this model's context is "
-            f"{self.max_model_len} tokens (room for at least one output token is needed); "
-            "shorten it or set truncate_prompt_tokens",
-            param="prompt",
-            code="context_length_exceeded",
-        )
+        e = self.limits.too_long(num_tokens)
+        return APIError(400, str(e), param=e.param, code=e.code)
 
 
 def _template_message(message) -> dict:

@@ -56,7 +56,7 @@ class _Completion:
     logprobs: list[Logprob] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    error: str | None = None
+    rejection: EngineCoreOutput | None = None  # the engine's refusal, when it refused
 
 
 @dataclass(slots=True)
@@ -163,7 +163,7 @@ class OutputProcessor:
                 comp.finish_reason, comp.stop_reason = "stop", stop_str
             elif out.finish_reason is not None:
                 comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
-                comp.error = out.error
+                comp.rejection = out if out.error else None
             if comp.finish_reason is not None:
                 comp.metrics.finished_time = now
         results = [self._output(g, new_ids) for g in touched.values()]
@@ -204,7 +204,7 @@ class OutputProcessor:
                     new_token_ids=new_ids.get(c.core_id, []),
                 )
             )
-        errors = [c.error for c in group.completions if c.error]
+        refused = next((c.rejection for c in group.completions if c.rejection), None)
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -212,6 +212,8 @@ class OutputProcessor:
             outputs=outs,
             finished=group.finished,
             metrics=group.completions[0].metrics,
-            error=errors[0] if errors else None,
+            error=refused.error if refused else None,
+            error_code=refused.error_code if refused else None,
+            error_param=refused.error_param if refused else None,
             prompt_logprobs=group.prompt_logprobs,
         )

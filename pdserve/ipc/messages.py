@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from pdserve.disagg.protocol import KVDest, KVLayout, PeerEndpoint
-from pdserve.types import EngineCoreOutput, SamplingParams
+from pdserve.types import EngineCoreOutput, KVRole, Role, SamplingParams
 
 
 class AddRequest(msgspec.Struct, tag=True):
@@ -20,7 +20,7 @@ class AddRequest(msgspec.Struct, tag=True):
     queue_timeout_s: float | None = None
     # Disaggregation: "receive" (decode worker: reserve blocks, wait for the KV) or "send"
     # (prefill worker: compute the prompt and ship its KV to `kv_dest`).
-    kv_role: str | None = None
+    kv_role: KVRole | None = None
     kv_dest: KVDest | None = None
 
 
@@ -64,7 +64,7 @@ class WorkerInfo(msgspec.Struct, tag=True):
     """Sent once when the worker is ready: what the frontend needs to validate requests."""
 
     worker_id: int
-    role: str
+    role: Role
     model: str
     max_model_len: int
     vocab_size: int

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pdserve.config import SchedulerConfig
 from pdserve.kv.manager import KVCacheManager
 from pdserve.request import Request
-from pdserve.types import EngineCoreOutput, Logprob, RequestStatus
+from pdserve.sched.remote_kv import RemoteKV
+from pdserve.types import EngineCoreOutput, KVRole, Logprob, RequestStatus
 
 
 @dataclass(slots=True)
@@ -64,33 +65,13 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        # Disaggregation (decode role): requests holding blocks while their KV arrives, the
-        # reservations made this step, and requests whose KV arrived this step.
-        self.remote_waiting: dict[str, Request] = {}
-        self.new_reservations: list[Request] = []
-        # Blocks of remote requests that ended before their sender was done writing into them:
-        # held until the sender confirms it stopped (or is known dead), never reused before.
-        self.quarantine: dict[str, list] = {}
-        # Prefill role: requests handed off this step (their KV must be flushed to the peer).
-        self.handed_off: list[Request] = []
+        self.remote = RemoteKV(self)  # the connector's half: requests whose KV crosses workers
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Queue a request (validated by `pdserve.validation` when it was made)."""
         if request.request_id in self.requests:
             raise ValueError(f"invalid request_id={request.request_id!r}: already in use")
-        max_len = self.config.max_model_len
-        if request.num_tokens >= max_len:
-            raise ValueError(
-                f"invalid prompt: {request.num_tokens} tokens leaves no room to generate in the "
-                f"model's context ({max_len} tokens)"
-            )
-        if not self.config.enable_chunked_prefill and (
-            request.num_tokens > self.config.max_num_batched_tokens
-        ):
-            raise ValueError(
-                f"invalid prompt: {request.num_tokens} tokens exceeds max_num_batched_tokens "
-                f"({self.config.max_num_batched_tokens}) with chunked prefill disabled"
-            )
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -107,31 +88,15 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-                del self.remote_waiting[rid]
-                if not release_kv:
-                    self.quarantine[rid] = self.kv.detach(request)
+                self.remote.drop(request, release_kv)
             else:
                 self.waiting.remove(request)
-            self._finish(request, status)
+            self.finish(request, status)
             ended.append(request)
         return ended
 
-    def remote_block_ids(self, request_id: str) -> list[int] | None:
-        """The blocks a request holds for KV that a prefill worker sends (None: it holds none,
-        so nothing may be written for it)."""
-        if request_id in self.remote_waiting:
-            return self.kv.block_ids(request_id)
-        held = self.quarantine.get(request_id)
-        return None if held is None else [b.block_id for b in held]
-
-    def release_quarantine(self, request_ids: Iterable[str]) -> None:
-        """The sender of these requests' KV stopped writing: their held blocks go back."""
-        for rid in request_ids:
-            blocks = self.quarantine.pop(rid, None)
-            if blocks:
-                self.kv.pool.free(reversed(blocks))
-
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request that is off the running and waiting lists; its blocks go back."""
         request.status = status
         request.metrics.finished_time = time.perf_counter()
         self.kv.free(request)
@@ -184,12 +149,13 @@ class Scheduler:
             self.waiting
             and budget > 0
             and not out.num_preempted
-            and len(self.running) + len(self.remote_waiting) < self.config.max_num_seqs
+            and len(self.running) + len(self.remote.waiting) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            if request.kv_role == "receive":
-                if not self._reserve_for_remote(request, now):
+            if request.kv_role == KVRole.RECEIVE:
+                if not self.remote.reserve(request, now):
                     break
+                self.waiting.popleft()
                 continue
             hits, num_hit_tokens = [], 0
             # Prompt logprobs need every prompt position computed: no prefix-cache hit then.
@@ -215,73 +181,6 @@ class Scheduler:
             self._add(out, request, num_new)
             budget -= num_new
         return out
-
-    def _reserve_for_remote(self, request: Request, now: float) -> bool:
-        """Decode role: hold blocks for the whole prompt (after any local prefix hit) until its
-        KV arrives from a prefill worker. The blocks join the prefix cache only once it has."""
-        hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-        num_new = request.num_tokens - num_hit_tokens
-        if not self.kv.allocate_slots(request, num_new, hits, publish=False):
-            return False
-        self.waiting.popleft()
-        request.num_computed_tokens = num_hit_tokens
-        request.num_cached_tokens = num_hit_tokens
-        request.metrics.num_cached_tokens = num_hit_tokens
-        request.metrics.scheduled_time = now
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.remote_waiting[request.request_id] = request
-        self.new_reservations.append(request)
-        return True
-
-    def finish_remote_kv(self, request_id: str, first_token: int) -> EngineCoreOutput | None:
-        """Decode role: the prompt's KV and first token arrived; the request decodes on. Returns
-        an output only if the first token already ends it (EOS, stop token, max_tokens)."""
-        request = self.remote_waiting.pop(request_id, None)
-        if request is None:
-            return None
-        request.num_computed_tokens = request.num_tokens
-        self.kv.publish_blocks(request, request.num_tokens)
-        request.append_output_token(first_token)
-        now = time.perf_counter()
-        request.metrics.first_token_time = now
-        request.metrics.token_times.append(now)
-        request.kv_role = None
-        status = self._check_stop(request, first_token)
-        if status is not None:
-            self._finish(request, status)
-            return EngineCoreOutput(
-                request_id, [], finish_reason=status.finish_reason, stop_reason=request.stop_reason
-            )
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
-        return None
-
-    def resume_locally(
-        self, request_id: str, output_token_ids: list[int], release_kv: bool = True
-    ) -> bool:
-        """Decode role: give up on the remote KV (timeout, dead prefill worker) and compute the
-        prompt here, continuing after the tokens the client already has."""
-        request = self.remote_waiting.pop(request_id, None)
-        if request is None:
-            queued = self.requests.get(request_id)
-            if queued is not None and queued.kv_role == "receive":  # no blocks reserved yet
-                queued.kv_role = None
-                for t in output_token_ids:
-                    queued.append_output_token(t)
-                return True
-            return False
-        if release_kv:
-            self.kv.free(request)
-        else:
-            self.quarantine[request_id] = self.kv.detach(request)
-        for t in output_token_ids:
-            request.append_output_token(t)
-        request.num_computed_tokens = 0
-        request.num_cached_tokens = -1
-        request.kv_role = None
-        request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
-        return True
 
     def _add(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         sample = request.num_computed_tokens + num_new == request.num_tokens
@@ -345,13 +244,12 @@ class Scheduler:
                 out.num_cached_tokens = max(request.num_cached_tokens, 0)
                 out.prompt_logprobs = self._full_prompt_logprobs(request)
             out.num_preemptions = m.num_preemptions
-            status = self._check_stop(request, token)
-            if status is None and request.kv_role == "send":
-                status = RequestStatus.FINISHED_REMOTE  # the decode worker takes it from here
-                self.handed_off.append(request)
+            status = self.check_stop(request, token)
+            if status is None and request.kv_role == KVRole.SEND:
+                status = self.remote.hand_off(request)
             if status is not None:
                 self.running.remove(request)
-                self._finish(request, status)
+                self.finish(request, status)
                 out.finish_reason = status.finish_reason
                 out.stop_reason = request.stop_reason
             outputs.append(out)
@@ -360,7 +258,7 @@ class Scheduler:
     def _finish_scored(self, request: Request) -> EngineCoreOutput:
         """A `max_tokens=0` request whose prompt is computed: it ends without a token."""
         self.running.remove(request)
-        self._finish(request, RequestStatus.FINISHED_LENGTH)
+        self.finish(request, RequestStatus.FINISHED_LENGTH)
         return EngineCoreOutput(
             request.request_id,
             [],
@@ -376,7 +274,7 @@ class Scheduler:
             return None
         return request.prompt_logprobs or [None] * request.num_prompt_tokens
 
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+    def check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
         if request.grammar_state is not None and token in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED  # a grammar decides where its output ends

@@ -1,0 +1,245 @@
+"""The decode worker's half of a transfer: `KVReceiver`, and the connector around it.
+
+The receiver owns the decode worker's KV channel: it applies `tcp` layer frames to the cache and
+collects the `KVDone` / `KVAborted` signals for the step loop, which the connector turns into the
+scheduler's `RemoteKV` transitions.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+import torch
+import zmq
+
+from pdserve.disagg.connector.base import CacheFactory, ConnectorReport, KVConnector, layout_of
+from pdserve.disagg.connector.transports import transport_for
+from pdserve.disagg.protocol import (
+    KVAborted,
+    KVDone,
+    KVEnvelope,
+    KVLayerHeader,
+    KVLayout,
+    PeerEndpoint,
+)
+from pdserve.ipc.channel import MAC_BYTES, mac
+from pdserve.ipc.messages import KVReceived, KVReservation
+from pdserve.types import EngineCoreOutput, KVTransportKind
+
+logger = logging.getLogger("pdserve.disagg")
+
+
+class KVReceiver:
+    """Owns the decode worker's KV channel: applies TCP layer frames to the cache and collects
+    the `KVDone` / `KVAborted` signals for the step loop.
+
+    A message is used only if its tag verifies under the deployment key, its sequence number is
+    new for its sender, it is well formed, and (for layer frames) every destination slot lies in
+    a block that `reservation(request_id)` says the request holds for remote KV. Anything else is
+    dropped and counted in `dropped` by reason; nothing a peer sends can stop the worker.
+    """
+
+    MAX_EPOCHS = 64  # senders remembered for replay checks
+
+    def __init__(
+        self,
+        worker_id: int,
+        kv_caches: list[torch.Tensor],
+        transport: str,
+        address: str,
+        shm_path: str | None,
+        layout: KVLayout,
+        reservation: Callable[[str], list[int] | None],
+        key: bytes,
+        max_tokens: int,
+    ) -> None:
+        self.worker_id = worker_id
+        self.kv_caches = kv_caches
+        self.transport = transport
+        self.shm_path = shm_path
+        self.layout = layout
+        self.reservation = reservation  # the block ids a request holds for remote KV, or None
+        self.key = key
+        self.num_slots = kv_caches[0].shape[1]
+        self.row_bytes = 2 * layout.num_kv_heads * layout.head_dim * kv_caches[0].element_size()
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        # A peer that sends a larger frame than any transfer can need is disconnected by ZMQ
+        # before it is buffered: one layer's rows of a whole context.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_tokens * self.row_bytes + 4096)
+        if address.startswith("tcp://") and address.endswith(":0"):
+            self.sock.bind(address[: -len(":0")] + ":*")
+            address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            self.sock.bind(address)
+            if address.startswith("ipc://"):
+                os.chmod(address.removeprefix("ipc://"), 0o600)
+        self.address = address
+        self.decoder = msgspec.msgpack.Decoder(KVEnvelope)
+        self.last_seq: OrderedDict[int, int] = OrderedDict()  # sender epoch -> last seq
+        self.dropped: Counter[str] = Counter()
+        self.num_bytes_received = 0
+
+    def endpoint(self) -> PeerEndpoint:
+        return PeerEndpoint(
+            self.worker_id, self.address, self.transport, self.shm_path, self.layout
+        )
+
+    def poll(self) -> tuple[list[KVDone], list[KVAborted]]:
+        done, aborted = [], []
+        while self.sock.poll(0):
+            frames = self.sock.recv_multipart(copy=False)
+            try:
+                msg = self._open(frames)
+                if isinstance(msg, KVLayerHeader):
+                    self._apply(msg, frames)
+                elif isinstance(msg, KVDone):
+                    done.append(msg)
+                else:
+                    aborted.append(msg)
+            except _Dropped as e:
+                self._drop(e.reason, str(e))
+        return done, aborted
+
+    def _open(self, frames) -> KVDone | KVAborted | KVLayerHeader:
+        """Check a message's tag, shape and freshness; returns what it carries."""
+        if len(frames) not in (1, 3) or len(frames[0].buffer) < MAC_BYTES:
+            raise _Dropped("malformed", f"{len(frames)} frame(s)")
+        head = frames[0].buffer
+        slots = frames[1].buffer if len(frames) == 3 else b""
+        data_len = len(frames[2].buffer) if len(frames) == 3 else 0
+        tag = mac(self.key, head[MAC_BYTES:], slots, data_len.to_bytes(8, "little"))
+        if not hmac.compare_digest(tag, head[:MAC_BYTES]):
+            raise _Dropped("bad_tag", "not signed by this deployment")
+        try:
+            env = self.decoder.decode(head[MAC_BYTES:])
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise _Dropped("malformed", str(e)) from None
+        if env.seq <= self.last_seq.get(env.epoch, -1):
+            raise _Dropped("replayed", f"sequence number {env.seq} seen before")
+        self.last_seq[env.epoch] = env.seq
+        self.last_seq.move_to_end(env.epoch)
+        while len(self.last_seq) > self.MAX_EPOCHS:
+            self.last_seq.popitem(last=False)
+        if isinstance(env.msg, KVLayerHeader) != (len(frames) == 3):
+            raise _Dropped("malformed", "frames do not match the message")
+        return env.msg
+
+    def _apply(self, header: KVLayerHeader, frames) -> None:
+        block_ids = self.reservation(header.request_id)
+        if block_ids is None:  # ended, and its blocks may be reused: drop
+            raise _Dropped("unknown_request", header.request_id)
+        n = header.num_tokens
+        slots_buf, rows_buf = frames[1].buffer, frames[2].buffer
+        if not (0 <= header.layer < len(self.kv_caches)) or n < 1:
+            raise _Dropped("out_of_bounds", f"layer {header.layer}, {n} tokens")
+        if len(slots_buf) != 8 * n or len(rows_buf) != n * self.row_bytes:
+            raise _Dropped("malformed", f"frame sizes do not match {n} tokens")
+        dst = np.frombuffer(slots_buf, dtype=np.int64)
+        bs = self.layout.block_size
+        if (
+            (dst < 0).any()
+            or (dst >= self.num_slots).any()
+            or not np.isin(dst // bs, block_ids).all()
+        ):
+            raise _Dropped("out_of_bounds", f"slots outside the blocks of {header.request_id}")
+        cache = self.kv_caches[header.layer]
+        rows = torch.frombuffer(rows_buf, dtype=cache.dtype).view(
+            2, n, cache.shape[2], cache.shape[3]
+        )
+        cache.index_copy_(1, torch.from_numpy(dst), rows)
+        self.num_bytes_received += rows.numel() * rows.element_size()
+
+    def _drop(self, reason: str, detail: str) -> None:
+        self.dropped[reason] += 1
+        total = sum(self.dropped.values())
+        if total <= 10 or total % 1000 == 0:
+            logger.warning(
+                "KV channel: dropped a message (%s: %s; %d so far)", reason, detail, total
+            )
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        if self.shm_path and os.path.exists(self.shm_path):
+            os.unlink(self.shm_path)
+
+
+class _Dropped(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+class ReceivingConnector(KVConnector):
+    """Decode role: the cache where prefill workers can reach it, their signals applied to the
+    scheduler's `RemoteKV`."""
+
+    def __init__(self, worker_id: int, kind: KVTransportKind, address: str, key: bytes) -> None:
+        self.worker_id, self.kind, self.address, self.key = worker_id, kind, address, key
+        self.shm_paths: list[str] = []
+        self.receiver: KVReceiver | None = None
+        self.vocab_size = 0
+        self.kv_received: list[KVReceived] = []
+
+    def kv_cache_factory(self) -> CacheFactory | None:
+        return transport_for(self.kind).cache_factory(self.shm_paths)
+
+    def attach(self, core) -> None:
+        self.layout = layout_of(core)
+        self.vocab_size = core.model_config.vocab_size
+        self.receiver = KVReceiver(
+            self.worker_id,
+            core.runner.kv_caches,
+            self.kind,
+            self.address,
+            self.shm_paths[0] if self.shm_paths else None,
+            self.layout,
+            reservation=core.scheduler.remote.block_ids,
+            key=self.key,
+            max_tokens=core.max_model_len,
+        )
+
+    def endpoint(self) -> PeerEndpoint:
+        return self.receiver.endpoint()
+
+    @property
+    def sockets(self) -> tuple:
+        return (self.receiver.sock,)
+
+    def poll(self, remote) -> tuple[list[EngineCoreOutput], bool]:
+        num_dropped = self.receiver.dropped.total()
+        done, aborted = self.receiver.poll()
+        outputs, received = remote.on_sender_done(
+            [(m.request_id, m.first_token) for m in done],
+            [m.request_id for m in aborted],
+            valid_token=lambda t: 0 <= t < self.vocab_size,
+        )
+        self.kv_received += [KVReceived(rid, tok) for rid, tok in received]
+        changed = bool(done or aborted) or self.receiver.dropped.total() != num_dropped
+        return outputs, changed
+
+    def report(self, remote) -> ConnectorReport:
+        reservations = [
+            KVReservation(
+                r.request_id, list(remote.kv.block_ids(r.request_id)), r.num_cached_tokens
+            )
+            for r in remote.take_reservations()
+        ]
+        out = ConnectorReport(reservations=reservations, kv_received=self.kv_received)
+        self.kv_received = []
+        return out
+
+    def dropped(self) -> dict[str, int]:
+        return dict(self.receiver.dropped)
+
+    def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()

@@ -1,0 +1,1 @@
+"""Engine worker pools: starting, watching and restarting the processes that run the engine."""
