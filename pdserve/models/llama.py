@@ -1,9 +1,10 @@
 """The Llama family: Llama, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and Mistral.
 
-One flat token layout for the whole step ([num_tokens, hidden]); attention goes through the paged
-KV cache (`pdserve.runner.attention`). Projections that read the same input are fused (q/k/v into
-`qkv_proj`, gate/up into `gate_up_proj`) so a decode step launches fewer, larger GEMVs; the loader
-maps the checkpoint's separate tensors into the fused ones.
+One flat token layout for the whole step ([num_tokens, hidden]). Attention over the paged KV cache
+is the model's `AttentionBackend` (`pdserve.models.attention`), chosen when the model is built and
+handed to every layer on each forward, as the rotary tables are. Projections that read the same
+input are fused (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`) so a decode step launches
+fewer, larger GEMVs; the loader maps the checkpoint's separate tensors into the fused ones.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.config import ModelConfig
+from pdserve.models.attention import AttentionBackend, AttentionMetadata, PagedSDPABackend
 from pdserve.models.rope import RotaryEmbedding
-from pdserve.runner.attention import AttentionMetadata, paged_attention
 
 
 class RMSNorm(nn.Module):
@@ -53,6 +54,7 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         rope: RotaryEmbedding,
+        backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -64,7 +66,7 @@ class Attention(nn.Module):
         else:
             qk = rope.apply(qkv[:, : hq + hkv], *cos_sin)  # q and k rotated in one pass
         q, k = qk.split([hq, hkv], dim=1)
-        return self.o_proj(paged_attention(q, k, v, kv_cache, meta))
+        return self.o_proj(backend.forward(q, k, v, kv_cache, meta))
 
 
 class MLP(nn.Module):
@@ -87,17 +89,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos_sin, kv_cache, meta, rope):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta, rope)
+    def forward(self, x, cos_sin, kv_cache, meta, rope, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta, rope, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also serves Qwen2, Qwen3 and Mistral: their differences are flags in `ModelConfig`."""
+    """Also serves Qwen2, Qwen3 and Mistral: their differences are flags in `ModelConfig`.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    `attn_backend` (default `PagedSDPABackend`) is a plain attribute, not a submodule: it holds
+    no weights, and replacing it between steps changes how every layer attends."""
+
+    def __init__(self, cfg: ModelConfig, attn_backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.config = cfg
+        self.attn_backend = PagedSDPABackend() if attn_backend is None else attn_backend
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -119,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos_sin = self.rope.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos_sin, kv_cache, meta, self.rope)
+            x = layer(x, cos_sin, kv_cache, meta, self.rope, self.attn_backend)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -17,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from pdserve.config import ModelConfig
+from pdserve.models.attention import AttentionBackend
 from pdserve.models.registry import model_class
 
 # checkpoint name fragment -> (fused parameter fragment, index of the shard within it)
@@ -95,12 +96,14 @@ def load_model(
     dtype: torch.dtype,
     max_len: int,
     linear_backend: str = "auto",
+    attn_backend: AttentionBackend | None = None,
 ) -> nn.Module:
     """Build and fill the model. `linear_backend`: "torch" (F.linear), "onednn" (prepacked
-    weights, CPU float32), or "auto" (onednn where available)."""
+    weights, CPU float32), or "auto" (onednn where available). `attn_backend`: how its layers
+    attend (None: the model's default, `PagedSDPABackend`)."""
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
-        model = cls(cfg)
+        model = cls(cfg, attn_backend)
     model = model.to_empty(device=device).to(dtype)
     params = dict(model.named_parameters())
     slices = _shard_slices(model, cfg)

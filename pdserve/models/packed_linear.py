@@ -10,6 +10,7 @@ and is also faster for prefill GEMMs. The ops are private to torch, so this is o
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -41,16 +42,24 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every `nn.Linear` in `model` by a `PackedLinear`; returns how many. A tied output
-    embedding gets a packed copy as `lm_head` (the table itself stays for the input gather)."""
+def replace_linears(
+    model: nn.Module, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
+) -> int:
+    """Replace every `nn.Linear` in `model` by `make(weight, bias)`; returns how many. A tied
+    output embedding gets its own `lm_head` made from the table (the table itself stays for the
+    input gather), so the logits go through the same kind of layer as the projections."""
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child.weight, child.bias))
+                setattr(module, name, make(child.weight, child.bias))
                 count += 1
     if getattr(model, "lm_head", False) is None:
-        model.lm_head = PackedLinear(model.embed_tokens.weight, None)
+        model.lm_head = make(model.embed_tokens.weight, None)
         count += 1
     return count
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Every linear layer, the tied lm_head included, as a `PackedLinear`; returns how many."""
+    return replace_linears(model, PackedLinear)

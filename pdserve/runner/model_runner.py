@@ -14,9 +14,9 @@ import numpy as np
 import torch
 
 from pdserve.config import CacheConfig, ModelConfig
+from pdserve.models.attention import AttentionMetadata, PrefillChunk
 from pdserve.models.loader import load_model
 from pdserve.request import Request
-from pdserve.runner.attention import AttentionMetadata, PrefillChunk
 from pdserve.runner.sampler import Sampler, SamplingRow, TokenMasks, is_greedy
 from pdserve.sched.scheduler import SchedulerOutput
 from pdserve.structured.matcher import fill_bitmask

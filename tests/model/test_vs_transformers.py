@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.runner.attention import AttentionMetadata, PrefillChunk
+from pdserve.models.attention import AttentionMetadata, PrefillChunk
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 NEW_TOKENS = 32

@@ -1,0 +1,119 @@
+"""Attention over the paged KV cache: the step's metadata, the backend seam, the default backend.
+
+The model owns the question "how does a layer attend" so that the runner only describes the step
+(`AttentionMetadata`) and a faster implementation (a native kernel, a compiled one) is a new
+`AttentionBackend` handed to the model, not an edit to the layers.
+
+A step's tokens are laid out decodes first (one query token each), then one contiguous run of
+query tokens per prefill chunk. Every layer first writes the step's new keys and values into the
+cache (`slot_mapping`), then attends: decodes in one batched call over their gathered context,
+each prefill chunk in one call over its context (its own new tokens when it has no earlier ones).
+Because all writes come before any read, a request may attend to blocks that another request of
+the same step is filling (prefix sharing between the `n` completions of a prompt).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    q_start: int  # index of the chunk's first token in the step's token layout
+    q_end: int
+    ctx_slots: torch.Tensor | None  # [ctx_len] slots of all keys it attends to; None: only its own
+    mask: torch.Tensor | None  # [q_len, ctx_len] bool, True = attend (causal with an offset)
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] long: flat cache slot of each new token
+    num_decodes: int = 0  # the first num_decodes tokens are single-token queries
+    decode_slots: torch.Tensor | None = None  # [num_decodes, max_ctx] long (padded)
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_ctx] bool
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class AttentionBackend(Protocol):
+    """What a decoder layer calls once per step: store the step's new K/V in this layer's cache
+    and return the attention output of every query token. Rotary embedding is already applied."""
+
+    name: str  # for logs and benchmark labels
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_slots, Hkv, D], this layer's
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, Hq * D]
+        ...
+
+
+class PagedSDPABackend:
+    """Pure torch (runs anywhere): gathers each request's context from the cache and lets SDPA do
+    the math, so CUDA gets whatever fused kernel torch picks. `decode` and `prefill` are separate
+    methods so a variant can replace one half (benchmarks/engine_whatif.py does)."""
+
+    name = "paged_sdpa"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        kv_cache[0].index_copy_(0, meta.slot_mapping, k)
+        kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self.decode(q[:nd], kv_cache, meta)
+        for chunk in meta.prefills:
+            out[chunk.q_start : chunk.q_end] = self.prefill(q, k, v, kv_cache, chunk)
+        return out.view(num_tokens, num_heads * head_dim)
+
+    def decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [nd, Hq, D] queries -> [nd, Hq, D]
+        nd, num_heads, head_dim = q.shape
+        num_kv_heads = kv_cache.shape[2]
+        # Group the query heads that share a KV head: [nd, Hkv, G, D] against [nd, Hkv, L, D].
+        qd = q.view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        kd = kv_cache[0][meta.decode_slots].transpose(1, 2)  # [nd, L, Hkv, D] -> [nd, Hkv, L, D]
+        vd = kv_cache[1][meta.decode_slots].transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+        return od.reshape(nd, num_heads, head_dim)
+
+    def prefill(
+        self,
+        q: torch.Tensor,  # the whole step's, as in `forward`
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        chunk: PrefillChunk,
+    ) -> torch.Tensor:  # [Lq, Hq, D] for the chunk's queries
+        qp = q[chunk.q_start : chunk.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
+        if chunk.ctx_slots is None:
+            kp, vp = k[chunk.q_start : chunk.q_end], v[chunk.q_start : chunk.q_end]
+        else:
+            kp, vp = kv_cache[0][chunk.ctx_slots], kv_cache[1][chunk.ctx_slots]  # [Lk, Hkv, D]
+        kp = kp.transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lk, D]
+        vp = vp.transpose(0, 1).unsqueeze(0)
+        op = F.scaled_dot_product_attention(
+            qp,
+            kp,
+            vp,
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )  # [1, Hq, Lq, D]
+        return op[0].transpose(0, 1)
