@@ -20,13 +20,16 @@ _MIN_WORDS = 16  # fewer one-token words than this: write prompts with character
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """`AutoTokenizer.from_pretrained(path)`, with a one-line error when it cannot load."""
+    """The server's tokenizer (`pdserve.frontend.tokenizer`), with a one-line error when it
+    cannot load."""
     if not Path(path).is_dir():
         raise BenchError(f"tokenizer folder not found: {path}")
-    from transformers import AutoTokenizer
+    from pdserve.frontend.tokenizer import load_tokenizer as load
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return load(path)
+    except ValueError as e:  # says which folder already
+        raise BenchError(_first_line(e)) from None
     except Exception as e:  # transformers raises many kinds; the user needs only the gist
         raise BenchError(f"cannot load a tokenizer from {path}: {_first_line(e)}") from None
 

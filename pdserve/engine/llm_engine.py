@@ -13,16 +13,8 @@ from collections.abc import Sequence
 from pdserve.config import EngineArgs
 from pdserve.engine.core import EngineCore
 from pdserve.frontend.output_processor import OutputProcessor, child_requests
+from pdserve.frontend.tokenizer import load_tokenizer
 from pdserve.types import RequestOutput, SamplingParams
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"invalid tokenizer={path!r}: {e}") from None
 
 
 def tokenize(tokenizer, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:

@@ -251,7 +251,7 @@ def build_app(
     client.spawn()  # the workers import torch and load the model while the tokenizer loads here
     try:
         if tokenizer is None:
-            from pdserve.engine.llm_engine import load_tokenizer
+            from pdserve.frontend.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model)
         state = ServerState(engine_args, config, tokenizer, client)

@@ -89,7 +89,7 @@ class _ChildTokenizer:
 def _child_main(path: str, conn) -> None:
     _die_with_parent()
     os.nice(10)  # background work: the frontend and the engine workers come first
-    from pdserve.engine.llm_engine import load_tokenizer
+    from pdserve.frontend.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(path)
     while True:

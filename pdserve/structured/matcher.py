@@ -74,7 +74,7 @@ class GrammarCompiler:
         if self._tokenizer is None:  # ~1 s, once
             import llguidance.hf
 
-            from pdserve.engine.llm_engine import load_tokenizer
+            from pdserve.frontend.tokenizer import load_tokenizer
 
             hf = load_tokenizer(self.tokenizer_path)
             self._tokenizer = llguidance.hf.from_tokenizer(

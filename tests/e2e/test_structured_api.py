@@ -242,3 +242,21 @@ def test_a_conversation_with_tool_results_renders_and_auto_returns_text(qwen):
 def test_bad_tool_requests_are_a_400_naming_the_field(qwen, fields, param):
     r = httpx.post(qwen.url + CHAT, json=chat(**fields))
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# ---- the frontend process -------------------------------------------------------------------
+
+
+def maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return any("libtorch" in line or "/torch/" in line for line in f)
+
+
+def test_the_frontends_never_load_torch(server, qwen):
+    """Tokenizing, chat templates, grammars, tool calls and detokenizing leave torch out of the
+    frontend (`pdserve serve`'s own process); its workers have it."""
+    post(qwen, CHAT, chat(tools=[WEATHER], tool_choice="required", max_tokens=20))
+    post(server, CMPL, {"prompt": STORY, "max_tokens": 8, "guided_json": PERSON, "logprobs": 2})
+    for s in (server, qwen):
+        assert not maps_torch(s.proc.pid)
+        assert s.worker_pids() and all(maps_torch(pid) for pid in s.worker_pids().values())
