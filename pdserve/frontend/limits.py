@@ -14,6 +14,7 @@ import re
 from pydantic import BaseModel
 
 from pdserve.config import RequestLimits
+from pdserve.config.settings import option
 from pdserve.frontend.errors import APIError
 from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -24,22 +25,18 @@ def check_request(
     """All of this module's checks; `raw` is the body as received (for the Unicode check)."""
     check_unicode(body, raw)
     n = body.n
-    _at_most("n", n, limits.max_n, "--max-n")
+    _at_most("n", n, limits, "max_n")
     best_of = getattr(body, "best_of", None)
     if best_of is not None:
-        _at_most("best_of", best_of, limits.max_n, "--max-n")
+        _at_most("best_of", best_of, limits, "max_n")
     stop = body.stop_list
-    _at_most("stop", len(stop), limits.max_stop, "--max-stop", what="stop strings")
+    _at_most("stop", len(stop), limits, "max_stop", what="stop strings")
     longest = max((len(s) for s in stop), default=0)
-    _at_most("stop", longest, limits.max_stop_chars, what="characters in a stop string")
-    _at_most(
-        "stop_token_ids",
-        len(body.stop_token_ids or ()),
-        limits.max_stop_token_ids,
-        what="stop token ids",
-    )
+    _at_most("stop", longest, limits, "max_stop_chars", what="characters in a stop string")
+    num_stop_ids = len(body.stop_token_ids or ())
+    _at_most("stop_token_ids", num_stop_ids, limits, "max_stop_token_ids", what="stop token ids")
     if body.prompt_logprobs is not None:
-        _at_most("prompt_logprobs", body.prompt_logprobs, limits.max_logprobs, "--max-logprobs")
+        _at_most("prompt_logprobs", body.prompt_logprobs, limits, "max_logprobs")
     for name in (
         "response_format",
         "guided_json",
@@ -50,28 +47,22 @@ def check_request(
         value = getattr(body, name)
         if value is not None:
             size = len(value) if isinstance(value, str) else len(json.dumps(value))
-            _at_most(name, size, limits.max_grammar_chars, what="characters of constraint")
+            _at_most(name, size, limits, "max_grammar_chars", what="characters of constraint")
     if isinstance(body, CompletionRequest):
         if body.logprobs is not None:
-            _at_most("logprobs", body.logprobs, limits.max_logprobs, "--max-logprobs")
+            _at_most("logprobs", body.logprobs, limits, "max_logprobs")
         num_prompts = _num_prompts(body.prompt)
-        _at_most("prompt", num_prompts, limits.max_prompts, "--max-prompts", what="prompts")
+        _at_most("prompt", num_prompts, limits, "max_prompts", what="prompts")
     else:
         if body.top_logprobs is not None:
-            _at_most("top_logprobs", body.top_logprobs, limits.max_logprobs, "--max-logprobs")
-        _at_most("messages", len(body.messages), limits.max_messages, what="messages")
+            _at_most("top_logprobs", body.top_logprobs, limits, "max_logprobs")
+        _at_most("messages", len(body.messages), limits, "max_messages", what="messages")
         if body.tools:
-            _at_most("tools", len(body.tools), limits.max_tools, what="tools")
+            _at_most("tools", len(body.tools), limits, "max_tools", what="tools")
             size = len(json.dumps([t.model_dump(exclude_none=True) for t in body.tools]))
-            _at_most("tools", size, limits.max_grammar_chars, what="characters of tools")
+            _at_most("tools", size, limits, "max_grammar_chars", what="characters of tools")
         num_prompts = 1
-    _at_most(
-        "n",
-        num_prompts * n,
-        limits.max_sequences,
-        "--max-sequences",
-        what="completions (prompts x n)",
-    )
+    _at_most("n", num_prompts * n, limits, "max_sequences", what="completions (prompts x n)")
 
 
 def _num_prompts(prompt) -> int:
@@ -81,15 +72,17 @@ def _num_prompts(prompt) -> int:
 
 
 def _at_most(
-    field: str, value: int, limit: int, flag: str | None = None, what: str | None = None
+    field: str, value: int, limits: RequestLimits, limit_name: str, what: str | None = None
 ) -> None:
+    """400 unless `value` is within the limit `limit_name`; the message names its flag."""
+    limit = getattr(limits, limit_name)
     if value <= limit:
         return
     subject = f"{value} {what}" if what else f"{field}={value}"
-    hint = f" (raise it with {flag})" if flag else ""
+    flag = option(RequestLimits, limit_name).flag
     raise APIError(
         400,
-        f"invalid {field}: {subject} is over this server's limit of {limit}{hint}",
+        f"invalid {field}: {subject} is over this server's limit of {limit} (raise it with {flag})",
         param=field,
         code="limit_exceeded",
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.config import CacheConfig, EngineArgs, ModelConfig, RopeConfig, parse_size
+from pdserve.config import EngineArgs, ModelConfig, RopeConfig, parse_size
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],
@@ -99,7 +99,7 @@ def test_bad_sizes_and_args():
     with pytest.raises(ValueError, match="lots"):
         parse_size("lots")
     with pytest.raises(ValueError, match="block_size=12"):
-        CacheConfig(block_size=12)
+        EngineArgs(model="x", block_size=12)
     with pytest.raises(ValueError, match="device='tpu'"):
         EngineArgs(model="x", device="tpu")
     with pytest.raises(ValueError, match="dtype='int8'"):

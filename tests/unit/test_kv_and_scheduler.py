@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from pdserve.config import SchedulerConfig
+from pdserve.config import EngineArgs
 from pdserve.kv.block_pool import BlockPool, hash_block
 from pdserve.kv.manager import KVCacheManager
 from pdserve.request import Request
@@ -24,13 +24,13 @@ def make_request(rid: str, num_prompt: int = 6, max_tokens: int = 4, start: int 
 
 def make_scheduler(num_blocks=16, budget=64, max_seqs=8, caching=True, chunked=True, max_len=128):
     kv = KVCacheManager(num_blocks, BS, caching)
-    cfg = SchedulerConfig(
+    args = EngineArgs(
+        model="m",
         max_num_batched_tokens=budget,
         max_num_seqs=max_seqs,
         enable_chunked_prefill=chunked,
-        max_model_len=max_len,
     )
-    return Scheduler(cfg, kv)
+    return Scheduler(args.scheduler_config(max_len), kv)
 
 
 def run_step(sched: Scheduler, token: int = 7):

@@ -1,0 +1,118 @@
+"""Worker pools of one deployment (`DisaggConfig`) and the workers they start (`worker_specs`).
+
+Each field is a setting of `pdserve serve`; a pool's own engine settings (`--prefill-max-num-seqs`,
+...) are the per-pool settings of `EngineArgs`, kept here as overrides by field name and checked
+as the base settings are. No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pdserve.config.engine import EngineArgs
+from pdserve.config.settings import (
+    POSITIVE,
+    at_least,
+    check_overrides,
+    check_settings,
+    internal,
+    require,
+    setting,
+)
+from pdserve.types import KVTransportKind, PrefillFailurePolicy, Role
+
+DISAGG_GROUP = "disaggregation (prefill and decode worker pools)"
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """Worker pools. `num_prefill_workers == 0` is the colocated default (one worker, role both)."""
+
+    num_prefill_workers: int = setting(
+        0,
+        flag="prefill-workers",
+        metavar="P",
+        help="prefill workers (0: colocated, one worker runs both phases)",
+        checks=(at_least(0),),
+    )
+    num_decode_workers: int = setting(
+        1,
+        flag="decode-workers",
+        metavar="D",
+        help="decode workers (more than one needs --prefill-workers >= 1)",
+        checks=(at_least(1),),
+    )
+    kv_transport: KVTransportKind = setting(
+        KVTransportKind.SHM,
+        help="how KV moves from prefill to decode workers (shm: one host, tcp: across hosts)",
+    )
+    kv_host: str = setting("127.0.0.1", help="address decode workers bind their TCP KV channel to")
+    kv_transfer_timeout_s: float = setting(
+        30.0,
+        flag="kv-transfer-timeout",
+        metavar="SECONDS",
+        help="recompute on the decode worker if the KV has not arrived by then",
+        checks=(POSITIVE,),
+    )
+    min_prompt_tokens: int = setting(
+        0,
+        flag="disagg-min-prompt-tokens",
+        metavar="N",
+        help="prefill prompts shorter than N on the decode worker itself",
+        checks=(at_least(0),),
+    )
+    on_prefill_failure: PrefillFailurePolicy = setting(
+        PrefillFailurePolicy.RECOMPUTE,
+        help="a dead prefill worker: recompute on the decode worker, or fail with 503",
+    )
+    prefill_cpus: tuple[str, ...] = setting(
+        (), help="CPU set of a prefill worker (repeat per worker; cycled), e.g. 0"
+    )
+    decode_cpus: tuple[str, ...] = setting(
+        (), help="CPU set of a decode worker (repeat per worker; cycled), e.g. 1"
+    )
+    prefill_overrides: dict[str, Any] = internal(
+        default_factory=dict, why="EngineArgs per-pool settings: the --prefill-* flags"
+    )
+    decode_overrides: dict[str, Any] = internal(
+        default_factory=dict, why="EngineArgs per-pool settings: the --decode-* flags"
+    )
+    restart_workers: bool = setting(False, help="start a dead worker again; it rejoins its pool")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        require(
+            self.num_prefill_workers > 0 or self.num_decode_workers == 1,
+            "decode_workers",
+            self.num_decode_workers,
+            "more than one needs --prefill-workers >= 1",
+        )
+        check_overrides(EngineArgs, self.prefill_overrides, "prefill_overrides")
+        check_overrides(EngineArgs, self.decode_overrides, "decode_overrides")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.num_prefill_workers > 0
+
+
+def worker_specs(
+    args: EngineArgs, disagg: DisaggConfig
+) -> list[tuple[Role, EngineArgs, str | None]]:
+    """(role, engine args, CPU set) of every worker, prefill workers first."""
+    if not disagg.disaggregated:
+        cpus = disagg.decode_cpus[0] if disagg.decode_cpus else None
+        return [(Role.BOTH, args, cpus)]
+    out = []
+    # oneDNN's spinning threads and per-shape kernel builds hurt when several engine processes
+    # share cores: disaggregated pools keep F.linear unless the user asks for oneDNN.
+    if args.linear_backend == "auto":
+        args = replace(args, linear_backend="torch")
+    for role, n, overrides, cpus in (
+        (Role.PREFILL, disagg.num_prefill_workers, disagg.prefill_overrides, disagg.prefill_cpus),
+        (Role.DECODE, disagg.num_decode_workers, disagg.decode_overrides, disagg.decode_cpus),
+    ):
+        pool_args = replace(args, **overrides)
+        for i in range(n):
+            out.append((role, pool_args, cpus[i % len(cpus)] if cpus else None))
+    return out

@@ -1,0 +1,167 @@
+"""What a user sets for one engine (`EngineArgs`), and the cache and scheduler configs it resolves to.
+
+`EngineArgs` is the one table of engine settings: the CLI flags of `generate` and `serve` (with
+per-pool variants for disaggregated serving) and the keyword arguments of `LLM` are all generated
+from, and checked by, its fields. `CacheConfig` and `SchedulerConfig` have no defaults of their
+own: they are what `EngineArgs` resolves to once the model is known. No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from pdserve.config.settings import (
+    POWER_OF_TWO,
+    Check,
+    at_least,
+    check_settings,
+    format_size,
+    parse_size,
+    setting,
+)
+
+KV_GROUP = "KV cache"
+SCHEDULER_GROUP = "scheduler"
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # when neither --kv-cache-memory nor --num-kv-blocks is given
+
+
+def _is_size(value: str | int) -> bool:
+    try:
+        return parse_size(value) > 0
+    except (TypeError, ValueError):
+        return False
+
+
+_DEVICE = Check(lambda v: v in ("cpu", "cuda") or v.startswith("cuda:"), "must be cpu or cuda[:N]")
+_SIZE = Check(_is_size, "must be a size > 0, e.g. 512MiB, 2GiB, 1e9")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV cache of one engine, resolved from `EngineArgs.cache_config()`."""
+
+    block_size: int
+    num_blocks: int | None  # set directly, or derived from memory_bytes
+    memory_bytes: int | None
+    enable_prefix_caching: bool
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's limits, resolved from `EngineArgs.scheduler_config()`."""
+
+    max_num_batched_tokens: int  # token budget of one step
+    max_num_seqs: int
+    enable_chunked_prefill: bool
+    long_prefill_token_threshold: int  # 0: a prefill chunk may take the whole budget
+    max_model_len: int  # the model's context, or the user's cap
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything the user can set for one engine; the CLI and `LLM(**kwargs)` both build this."""
+
+    model: str = setting(help="Hugging Face model folder (config.json, safetensors, tokenizer)")
+    tokenizer: str | None = setting(None, help="tokenizer folder (default: the model folder)")
+    device: str = setting("cpu", help="cpu, cuda or cuda:N", checks=(_DEVICE,))
+    dtype: str = setting(
+        "auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="weights and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+    )
+    seed: int = setting(0, help="seed for unseeded sampling")
+    max_model_len: int | None = setting(
+        None, help="cap the context length (default: the model's)", checks=(at_least(1),)
+    )
+    block_size: int = setting(
+        16, group=KV_GROUP, per_pool=True, help="tokens per KV block", checks=(POWER_OF_TWO,)
+    )
+    num_kv_blocks: int | None = setting(
+        None,
+        group=KV_GROUP,
+        per_pool=True,
+        help="KV cache size in blocks (overrides --kv-cache-memory)",
+        checks=(at_least(1),),
+    )
+    kv_cache_memory: str | int | None = setting(
+        None,
+        parse=str,
+        group=KV_GROUP,
+        per_pool=True,
+        help=f"KV cache size, e.g. 2GiB (default: {format_size(DEFAULT_KV_CACHE_BYTES)})",
+        checks=(_SIZE,),
+    )
+    enable_prefix_caching: bool = setting(
+        True, flag="no-prefix-caching", group=KV_GROUP, help="turn prefix caching off"
+    )
+    max_num_batched_tokens: int = setting(
+        2048,
+        group=SCHEDULER_GROUP,
+        per_pool=True,
+        help="token budget of one step",
+        checks=(at_least(1),),
+    )
+    max_num_seqs: int = setting(
+        64,
+        group=SCHEDULER_GROUP,
+        per_pool=True,
+        help="most requests running at once",
+        checks=(at_least(1),),
+    )
+    enable_chunked_prefill: bool = setting(
+        True,
+        flag="no-chunked-prefill",
+        group=SCHEDULER_GROUP,
+        help="prefill each prompt in one step",
+    )
+    long_prefill_token_threshold: int = setting(
+        0,
+        group=SCHEDULER_GROUP,
+        per_pool=True,
+        help="largest prefill chunk of one request per step (0: the whole budget)",
+        checks=(at_least(0),),
+    )
+    num_threads: int | None = setting(
+        None,
+        help="torch CPU threads (default: one per allowed CPU that other processes leave free, "
+        "measured at start and again when the load changes; see docs/ARCHITECTURE.md)",
+        checks=(at_least(0),),
+    )
+    hardware_profile: str | None = setting(
+        None,
+        metavar="FILE",
+        help="peak FLOP/s and bandwidth for MFU/MBU (see `pdserve profile-hardware`)",
+    )
+    linear_backend: str = setting(
+        "auto",
+        choices=("auto", "onednn", "torch"),
+        help="matmul kernels: oneDNN with weights prepacked at load (CPU float32; auto uses it "
+        "where available) or torch's F.linear (see pdserve/models/packed_linear.py)",
+    )
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def cache_config(self) -> CacheConfig:
+        memory = None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory)
+        if self.num_kv_blocks is None and memory is None:
+            memory = DEFAULT_KV_CACHE_BYTES
+        return CacheConfig(
+            block_size=self.block_size,
+            num_blocks=self.num_kv_blocks,
+            memory_bytes=memory,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_model_len=max_model_len,
+        )
