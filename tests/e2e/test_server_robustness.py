@@ -222,6 +222,23 @@ def test_overload_and_queue_timeout_503(stories_path):
         s.stop()
 
 
+def test_a_request_the_worker_refuses_is_a_400_naming_the_reason(stories_path):
+    """The frontend cannot know every engine limit (here the KV cache holds 64 tokens, less
+    than the context): the worker's refusal reaches the client as a 400, not a 503."""
+    s = start_server(stories_path, "--num-kv-blocks", "4", "--block-size", "16")
+    try:
+        r = httpx.post(s.url + CMPL, json=cmpl(prompt="once " * 30, max_tokens=60), timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "exceed the KV cache (64 tokens)" in err["message"]
+        assert err["param"] == "max_tokens"
+        ok = httpx.post(s.url + CMPL, json=cmpl(prompt="once", max_tokens=4), timeout=30)
+        assert ok.status_code == 200  # the server serves on
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
 def test_dead_worker_fails_requests_clearly_without_hanging(stories_path):
     s = start_server(stories_path)
     try:

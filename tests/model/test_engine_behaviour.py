@@ -127,7 +127,7 @@ def test_metrics_are_consistent(llm):
     [
         ("", SamplingParams(), "prompt.*empty"),
         ([], SamplingParams(), "empty"),
-        ("x " * 600, SamplingParams(max_tokens=1), "longer than the model's context"),
+        ("x " * 600, SamplingParams(max_tokens=1), "but this model's context is"),
         ("hi", SamplingParams(max_tokens=600), "max_tokens=600"),
         ([1, 99999], SamplingParams(), "token id 99999"),
     ],
