@@ -9,12 +9,12 @@ import pytest
 
 from pdserve.bench.client import (
     ClientConfig,
-    _StreamState,
     endpoint_name,
     normalize_base_url,
     request_body,
 )
 from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.sse import StreamState
 from pdserve.bench.workload import BenchRequest
 
 
@@ -26,10 +26,8 @@ def text_chunk(text: str, finish: str | None = None) -> bytes:
     return event({"choices": [{"index": 0, "text": text, "finish_reason": finish}]})
 
 
-def feed(
-    reads: list[tuple[float, bytes]], chat: bool = False
-) -> tuple[_StreamState, RequestRecord]:
-    state, record = _StreamState(chat), RequestRecord(0, 1, 1, 1, 0.0, t_arrive=0.0)
+def feed(reads: list[tuple[float, bytes]], chat: bool = False) -> tuple[StreamState, RequestRecord]:
+    state, record = StreamState(chat), RequestRecord(0, 1, 1, 1, 0.0, t_arrive=0.0)
     for now, data in reads:
         state.feed(data, now, record)
     return state, record
