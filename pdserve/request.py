@@ -35,10 +35,9 @@ class Request:
     # Prompt logprobs (when asked for): entry i scores prompt token i; entry 0 is always None.
     prompt_logprobs: list[Any] | None = None
     queue_deadline: float | None = None  # abort if still unscheduled at this time
-    # Disaggregation: "receive" (a decode worker waits for the prompt's KV from a prefill worker)
-    # or "send" (a prefill worker computes the prompt, ships its KV, and hands the request off).
+    # Disaggregation: its part in a handoff, on this worker (see `KVRole`).
     kv_role: KVRole | None = None
-    kv_dest: Any = None  # for "send": where the KV goes (pdserve.disagg.KVDest)
+    kv_dest: Any = None  # for `KVRole.SEND`: where the KV goes (pdserve.disagg.KVDest)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -16,12 +16,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pdserve.kv.block_pool import hash_block
+from pdserve.types import Role
 
 
 @dataclass
 class WorkerLoad:
     worker_id: int
-    role: str  # "prefill" | "decode" | "both"
+    role: Role
     alive: bool = True
     num_free_blocks: int = 0
     queued_prefill_tokens: int = 0
@@ -88,13 +89,13 @@ class Router:
             out.append(hash_block(out[-1] if out else None, prompt[i * bs : (i + 1) * bs]))
         return out
 
-    def _live(self, *roles: str) -> list[WorkerLoad]:
+    def _live(self, *roles: Role) -> list[WorkerLoad]:
         return [w for w in self.workers.values() if w.alive and w.role in roles]
 
     def route(self, prompt: list[int], remote_prefill: bool = True) -> Route:
         """Where to decode, and where to prefill; `remote_prefill=False` keeps the prompt on
         the decode worker (a request that scores its prompt, or generates nothing)."""
-        decoders = self._live("decode", "both")
+        decoders = self._live(Role.DECODE, Role.BOTH)
         if not decoders:
             raise LookupError("no live decode worker")
         dec = max(decoders, key=lambda w: (w.num_free_blocks - w.pending_blocks, -w.worker_id))
@@ -103,7 +104,7 @@ class Router:
         dec.pending_blocks += num_blocks
         cached_on_decode = dec.matched_blocks(hashes) * self.block_size
         dec.remember(hashes, self.hash_capacity)
-        prefillers = self._live("prefill")
+        prefillers = self._live(Role.PREFILL)
         if not prefillers:
             return Route(dec.worker_id, None, "no_prefill_worker")
         if not remote_prefill:

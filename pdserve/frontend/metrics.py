@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pdserve.ipc.messages import StepOutputs
-from pdserve.types import RequestOutput
+from pdserve.types import RequestOutput, Role
 
 LATENCY_BUCKETS = (
     0.001,
@@ -152,7 +152,7 @@ class ServerMetrics:
             self.kv_span.labels(*lab).observe(t.span_s)
             if t.seconds > 0:
                 self.kv_gbps.labels(*lab).set(t.num_bytes / t.seconds / 1e9)
-        if worker.role == "prefill":
+        if worker.role == Role.PREFILL:
             self.kv_exposed.labels(*lab).set(msg.kv_exposed_s)
         st = msg.state
         for reason, total in st.dropped_frames.items():  # cumulative in the worker

@@ -18,8 +18,7 @@ class AddRequest(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     queue_timeout_s: float | None = None
-    # Disaggregation: "receive" (decode worker: reserve blocks, wait for the KV) or "send"
-    # (prefill worker: compute the prompt and ship its KV to `kv_dest`).
+    # Disaggregation: the request's part in a handoff (`KVRole`); "send" ships to `kv_dest`.
     kv_role: KVRole | None = None
     kv_dest: KVDest | None = None
 
