@@ -156,10 +156,6 @@ class EngineClient:
     def num_bad_frames(self) -> int:
         return self.pool.num_bad_frames
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self.streams)
-
     # ---- background tasks ------------------------------------------------------------------
     async def _output_loop(self) -> None:
         while True:

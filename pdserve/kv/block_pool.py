@@ -93,11 +93,6 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached[block_hash] = block
 
-    def reset_prefix_cache(self) -> None:
-        for block in self.cached.values():
-            block.block_hash = None
-        self.cached.clear()
-
     def check_whole(self) -> None:
         """Raise if any block is still referenced (every request has ended)."""
         held = [b.block_id for b in self.blocks if b.ref_cnt != 0]

@@ -8,7 +8,6 @@ or at the path a caller passes (`--hardware-profile FILE`).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -61,10 +60,6 @@ class HardwareProfile:
                 f"dtype {name!r} not in profile {self.name!r}; has: {', '.join(self.peak_flops)}"
             )
         return self.peak_flops[name]
-
-    def ridge_point(self, dtype: str | torch.dtype) -> float:
-        """FLOPs per byte read above which a step is compute-bound (the roofline's knee)."""
-        return self.peak_flops_for(dtype) / self.mem_bandwidth_bytes_s
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
@@ -373,12 +368,3 @@ def load_hardware_profile(
     else:
         write_cache(profile_path(None), profile)
     return profile
-
-
-def add_hardware_profile_argument(parser: argparse.ArgumentParser) -> None:
-    """The `--hardware-profile FILE` option for commands that report MFU / MBU."""
-    parser.add_argument(
-        "--hardware-profile",
-        metavar="FILE",
-        help=f"hardware profile JSON (default: ${ENV_VAR} or {DEFAULT_PATH})",
-    )

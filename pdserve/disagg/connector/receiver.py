@@ -86,7 +86,6 @@ class KVReceiver:
         self.decoder = msgspec.msgpack.Decoder(KVEnvelope)
         self.last_seq: OrderedDict[int, int] = OrderedDict()  # sender epoch -> last seq
         self.dropped: Counter[str] = Counter()
-        self.num_bytes_received = 0
 
     def endpoint(self) -> PeerEndpoint:
         return PeerEndpoint(
@@ -156,7 +155,6 @@ class KVReceiver:
             2, n, cache.shape[2], cache.shape[3]
         )
         cache.index_copy_(1, torch.from_numpy(dst), rows)
-        self.num_bytes_received += rows.numel() * rows.element_size()
 
     def _drop(self, reason: str, detail: str) -> None:
         self.dropped[reason] += 1
