@@ -226,6 +226,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def worker_pids(frontend_pid: int) -> dict[str, int]:
+    """`{role}{worker id}` -> pid of each engine worker a frontend started (its children running
+    `pdserve.engine.worker`), by worker id. /health no longer lists PIDs, so they come from /proc,
+    as an operator would find them."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode().split("\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == frontend_pid and "pdserve.engine.worker" in argv:
+            role = argv[argv.index("--role") + 1]
+            found.append((int(argv[argv.index("--worker-id") + 1]), role, int(entry)))
+    return {f"{role}{wid}": pid for wid, role, pid in sorted(found)}
+
+
 class Server:
     """`pdserve serve ARGS` on a free 127.0.0.1 port, in its own process group."""
 
@@ -274,7 +295,7 @@ class Server:
                 self.__exit__()
                 raise RuntimeError(f"server not healthy in {self.timeout_s} s; see {self.log_path}")
             time.sleep(0.5)
-        self.workers = {f"{w['role']}{w['id']}": w["pid"] for w in self.health["workers"]}
+        self.workers = worker_pids(self.proc.pid)
         return self
 
     def metrics(self) -> str:
