@@ -26,7 +26,6 @@ Each run waits until no other benchmark, test or pdserve process runs, and runs 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -36,29 +35,14 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_bench import (  # noqa: E402
-    DEFAULT_125M,
-    ROOT,
-    CpuMeter,
-    Server,
-    code_info,
-    ensure_125m,
-    machine_info,
-    measured,
-    metric_sums,
-    metric_total,
-    ms,
-    send,
-)
+from lib.disagg_analysis import analyze, per_worker_steps, print_entry, print_table, reanalyze  # noqa: E402
+from lib.machine import code_info, machine_info  # noqa: E402
+from lib.paths import DEFAULT_125M, TRACE, ensure_125m  # noqa: E402
+from lib.procstat import CpuMeter  # noqa: E402
+from lib.quiet import measured  # noqa: E402
+from lib.server import Server, metric_sums, metric_total, send  # noqa: E402
 
-from pdserve.bench.client import ClientConfig, run_requests  # noqa: E402
-from pdserve.bench.metrics import (  # noqa: E402
-    COMPLETED,
-    RequestRecord,
-    Slo,
-    latency_stats,
-    summarize,
-)
+from pdserve.bench.metrics import Slo  # noqa: E402
 from pdserve.bench.tokenizer import HFPromptTokenizer, load_tokenizer  # noqa: E402
 from pdserve.bench.traces import read_trace  # noqa: E402
 from pdserve.bench.workload import (  # noqa: E402
@@ -68,7 +52,6 @@ from pdserve.bench.workload import (  # noqa: E402
     with_rate,
 )
 
-TRACE = ROOT.parent / "shared" / "traces" / "azure_conv_2023.csv"
 # an interactive target for this machine and model (a reader sees ~7 tokens/s and no pause over
 # half a second), and a loose one
 DEFAULT_SLOS = ("ttft_ms=2000,tpot_ms=150,max_itl_ms=500", "ttft_ms=5000,tpot_ms=200")
@@ -93,79 +76,15 @@ def deployments(model: str, budget: int, linear_backend: str) -> dict[str, list[
     }
 
 
-def gap_stats(records) -> dict:
-    """ITL split into the first gap (token 1 -> 2) and the later ones."""
-    done = [r for r in records if r.status == COMPLETED and len(r.token_times) > 1]
-    first = [r.token_times[1] - r.token_times[0] for r in done]
-    later = [g for r in done for g in r.itl[1:]]
-    return {"first_gap_ms": latency_stats(first), "later_itl_ms": latency_stats(later)}
-
-
-def stall_stats(token_times: list[list[float]], stall_ms: float) -> dict:
-    """Pauses in the token streams: gaps longer than `stall_ms` (a decode step at this load
-    takes well under it; a long prefill run in the same step, or ahead of it, does not), and the
-    longest pause each request saw."""
-    gaps = [b - a for t in token_times for a, b in zip(t, t[1:])]
-    stalls = [g for g in gaps if g * 1e3 > stall_ms]
-    worst = [max(b - a for a, b in zip(t, t[1:])) for t in token_times if len(t) > 1]
-    return {
-        "stall_ms": stall_ms,
-        "gaps": len(gaps),
-        "stalls": len(stalls),
-        "stall_fraction": len(stalls) / len(gaps) if gaps else None,
-        "stalled_s": sum(stalls),
-        "requests_stalled": sum(1 for w in worst if w * 1e3 > stall_ms),
-        "worst_gap_ms": latency_stats(worst),
-    }
-
-
-def per_worker_steps(m0: str, m1: str) -> dict:
-    """Step count and busy seconds per (worker label, phase) over the run."""
-    out = {}
-    s0, s1 = (metric_sums(t, "pdserve_step_time_seconds_sum") for t in (m0, m1))
-    c0, c1 = (metric_sums(t, "pdserve_step_time_seconds_count") for t in (m0, m1))
-    for k in s1:
-        steps = c1.get(k, 0) - c0.get(k, 0)
-        if steps:
-            out[k] = {"steps": steps, "busy_s": s1[k] - s0.get(k, 0.0)}
-    return out
-
-
 def serve_and_run(args: list[str], requests, warmup, log: Path):
     with Server(args, log) as srv:
         model = args[args.index("--model") + 1]
         send(warmup, srv.base_url, model, max_concurrency=1)  # untimed, other prompts
         pids = {"frontend": srv.proc.pid, **srv.workers, "client": os.getpid()}
         m0 = srv.metrics()
-        cfg = ClientConfig(srv.base_url, model, "completions", temperature=0.0)
         with CpuMeter(pids) as cpu:
-            records = asyncio.run(run_requests(requests, cfg))
+            records = send(requests, srv.base_url, model)
         return srv.command_line, m0, srv.metrics(), cpu, records
-
-
-def analyze(entry: dict, records, slos: list[Slo], stall_ms: float) -> None:
-    """The latency figures of one run, from its per-request records."""
-    entry["summary"] = summarize(records, slos[0])
-    entry["goodput"] = [
-        {
-            "slo": slo.describe(),
-            "goodput": (g := summarize(records, slo))["goodput"],
-            "attainment": g["slo_attainment"],
-        }
-        for slo in slos
-    ]
-    entry.update(gap_stats(records))
-    done = [r.token_times for r in records if r.status == COMPLETED]
-    entry["stalls"] = stall_stats(done, stall_ms)
-
-
-def reanalyze(path: str, slos: list[Slo], stall_ms: float) -> dict:
-    """A saved run's figures recomputed (other SLOs, another pause threshold)."""
-    res = json.loads(Path(path).read_text())
-    for e in res["deployments"]:
-        analyze(e, [RequestRecord.from_dict(r) for r in e["records"]], slos, stall_ms)
-        e.setdefault("rate", res["args"].get("request_rate"))
-    return res
 
 
 def run_one(
@@ -207,92 +126,6 @@ def run_one(
     entry["records"] = [r.to_dict() for r in records]
     print_entry(entry)
     return entry
-
-
-def print_entry(e: dict) -> None:
-    s = e["summary"]
-    print(
-        f"completed {s['completed']} failed {s['failed']} in {s['duration_s']:.0f} s; "
-        f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:.0f} out tok/s"
-    )
-    for g in e["goodput"]:
-        print(f"  {g['slo']}: goodput {g['goodput']:.3f} req/s, attainment {g['attainment']:.0%}")
-    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
-        v = s[key]
-        print(
-            f"  {key[:-3].upper():<5} p50 {ms(v['p50']):>7} p90 {ms(v['p90']):>7} "
-            f"p99 {ms(v['p99']):>7} mean {ms(v['mean']):>7}"
-        )
-    print(
-        f"  first gap p50 {ms(e['first_gap_ms']['p50'])} p99 {ms(e['first_gap_ms']['p99'])}; "
-        f"later ITL p50 {ms(e['later_itl_ms']['p50'])} p99 {ms(e['later_itl_ms']['p99'])}"
-    )
-    st = e["stalls"]
-    print(
-        f"  pauses > {st['stall_ms']:g} ms: {st['stalls']} of {st['gaps']} gaps, "
-        f"{st['stalled_s']:.1f} s in all, in {st['requests_stalled']} requests; worst pause per "
-        f"request p50 {ms(st['worst_gap_ms']['p50'])} p99 {ms(st['worst_gap_ms']['p99'])} ms"
-    )
-    for k, v in e["steps"].items():
-        print(f"  steps {k}: {v['steps']:.0f} steps, {v['busy_s']:.1f} s busy")
-    cpu = e["cpu"]
-    print(
-        "  CPU cores used: "
-        + ", ".join(f"{n} {p['cores']:.2f}" for n, p in cpu["processes"].items())
-        + f"; machine {cpu['machine_cores_busy']:.2f} of {os.cpu_count()}"
-    )
-    if e["kv"]["transfers"]:
-        kv = e["kv"]
-        print(
-            f"  KV: {kv['transfers']:.0f} transfers, {kv['bytes'] / 1e6:.0f} MB, "
-            f"{kv['transfer_s_sum'] / kv['transfers'] * 1e3:.1f} ms mean, exposed "
-            f"{kv['exposed_s'] * 1e3:.0f} ms total, fallbacks {kv['fallbacks']:.0f}"
-        )
-    if e["disturbed"]:
-        print(f"  DISTURBED by: {e['disturbed']}")
-
-
-def print_table(entries: list[dict]) -> None:
-    names = [f"{e['name']}@{e['rate']:g}" for e in entries]
-    print(f"\n{'':<22}" + "".join(f"{n:>22}" for n in names))
-
-    def row(label, fn):
-        print(f"{label:<22}" + "".join(f"{fn(e):>22}" for e in entries))
-
-    row("completed/failed", lambda e: f"{e['summary']['completed']}/{e['summary']['failed']}")
-    row("duration s", lambda e: f"{e['summary']['duration_s']:.0f}")
-    row("req/s", lambda e: f"{e['summary']['request_throughput']:.3f}")
-    row("output tok/s", lambda e: f"{e['summary']['output_throughput']:.1f}")
-    for key, label in (
-        ("ttft_ms", "TTFT"),
-        ("itl_ms", "ITL"),
-        ("tpot_ms", "TPOT"),
-        ("e2e_ms", "E2E"),
-    ):
-        for pct in ("p50", "p90", "p99"):
-            row(f"{label} {pct} ms", lambda e, k=key, q=pct: ms(e["summary"][k][q]))
-    row(
-        "first gap p50/p99 ms",
-        lambda e: f"{ms(e['first_gap_ms']['p50'])}/{ms(e['first_gap_ms']['p99'])}",
-    )
-    row(
-        "later ITL p50/p99 ms",
-        lambda e: f"{ms(e['later_itl_ms']['p50'])}/{ms(e['later_itl_ms']['p99'])}",
-    )
-    row(
-        "pauses > stall_ms",
-        lambda e: f"{e['stalls']['stalls']} ({e['stalls']['stalled_s']:.1f} s)",
-    )
-    row(
-        "worst pause p50/p99",
-        lambda e: (
-            f"{ms(e['stalls']['worst_gap_ms']['p50'])}/{ms(e['stalls']['worst_gap_ms']['p99'])}"
-        ),
-    )
-    for i, g in enumerate(entries[0]["goodput"]):
-        print(g["slo"])
-        row("  goodput req/s", lambda e, i=i: f"{e['goodput'][i]['goodput']:.3f}")
-        row("  SLO attainment", lambda e, i=i: f"{e['goodput'][i]['attainment']:.1%}")
 
 
 def main() -> None:

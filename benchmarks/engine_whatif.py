@@ -32,11 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pdserve
 
-from engine_bench import (  # noqa: E402
+from lib.engine_common import (  # noqa: E402
     NUM_THREADS,
-    Quiet,
     greedy,
     make_llm,
     make_model,
@@ -44,6 +43,7 @@ from engine_bench import (  # noqa: E402
     random_prompts,
     run_decode,
 )
+from lib.quiet import Quiet  # noqa: E402
 
 from pdserve.models.attention import AttentionMetadata, PagedSDPABackend  # noqa: E402
 from pdserve.models.packed_linear import replace_linears  # noqa: E402

@@ -23,15 +23,16 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pdserve
 
-from engine_bench import (  # noqa: E402
+from lib.engine_common import (  # noqa: E402
     NUM_THREADS,
     greedy,
     make_llm,
     make_model,
     model_shape,
     random_prompts,
+    start_decoding,
 )
 
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm"}
@@ -78,14 +79,8 @@ def profile_steps(core, num_steps: int) -> dict[str, Any]:
 
 def decode_state(llm, batch: int, prompt_len: int, steps: int, vocab: int) -> None:
     """Leave `batch` requests decoding in the engine core, warmed up."""
-    core = llm.engine.core
-    rng = random.Random(batch)
-    for i, prompt in enumerate(random_prompts(rng, [prompt_len] * batch, vocab)):
-        core.add_request(core.make_request(f"p{batch}-{i}", prompt, greedy(2 * steps + 8)))
-    while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
-        core.step()
-    for _ in range(3):
-        core.step()
+    prompts = random_prompts(random.Random(batch), [prompt_len] * batch, vocab)
+    start_decoding(llm.engine.core, prompts, 2 * steps + 8, f"p{batch}-")
 
 
 def run(model_dir: Path, steps: int) -> dict[str, Any]:

@@ -1,0 +1,129 @@
+"""The engine benchmarks' model, settings and requests: a random-weight ~125M Llama in float32 on
+two threads, random prompts, greedy sampling. Shared by engine_bench.py, engine_whatif.py and
+profile_step.py."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lib.paths import TRACE
+from pdserve import LLM, SamplingParams
+from pdserve.bench.traces import read_trace
+from pdserve.perf.cost import ModelShape
+
+PRESET = "llama-125m"
+NUM_THREADS = 2
+PAD_TOKEN_ID = 3  # the byte-level tokenizer written by pdserve.models.make
+FIRST_TOKEN_ID = 4  # random prompts avoid the special tokens 0..3
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    gemm_seconds: float = 6.0
+    bandwidth_seconds: float = 3.0
+    ceiling_repeats: int = 8
+    prefill_lens: tuple[int, ...] = (512, 2047)  # 2047: the context is 2048, one output token
+    prefill_repeats: int = 4
+    decode_batches: tuple[int, ...] = (1, 8, 32)
+    decode_prompt_len: int = 128
+    decode_output_len: int = 128
+    offline_num_requests: int = 64
+    offline_scale: int = 8
+    hf_batch_sizes: tuple[int, ...] = (8, 16)
+    overhead_num_seqs: int = 32
+    overhead_steps: int = 40
+    tries: int = 3  # attempts per measurement when other processes disturb it
+    quiet_wait_s: float = 20.0  # longest wait for a quiet CPU before one measurement
+    patience_s: float = 180.0  # all waiting and discarded attempts together, at most
+    seed: int = 0
+
+
+QUICK = BenchConfig(
+    gemm_seconds=0.5,
+    bandwidth_seconds=0.5,
+    ceiling_repeats=2,
+    prefill_lens=(512,),
+    prefill_repeats=1,
+    decode_batches=(1, 8),
+    decode_prompt_len=64,
+    decode_output_len=16,
+    offline_num_requests=8,
+    offline_scale=16,
+    hf_batch_sizes=(4, 8),
+    overhead_num_seqs=8,
+    overhead_steps=10,
+    tries=1,
+    quiet_wait_s=0.0,
+    patience_s=0.0,
+)
+
+
+def make_model(model_dir: Path) -> Path:
+    from pdserve.models.make import write_random_model
+
+    if (model_dir / "config.json").is_file():
+        return model_dir
+    return write_random_model(model_dir, PRESET)
+
+
+def model_shape(model_dir: Path) -> ModelShape:
+    config = json.loads((model_dir / "config.json").read_text())
+    return ModelShape.from_hf_config(config, dtype_bytes=4)
+
+
+def random_prompts(rng: random.Random, lens: list[int], vocab: int) -> list[list[int]]:
+    return [[rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(n)] for n in lens]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def trace_lengths(n: int, scale: int, max_len: int, seed: int) -> list[tuple[int, int]]:
+    """`n` (prompt, output) lengths sampled from the Azure conversation trace, divided by `scale`
+    and clamped so that prompt + output fits in `max_len`."""
+    rows = [(r.input_len, r.output_len) for r in read_trace(TRACE)]
+    picked = random.Random(seed).sample(rows, n)
+    out = []
+    for context, generated in picked:
+        prompt = min(max(1, round(context / scale)), max_len - 1)
+        output = min(max(1, round(generated / scale)), max_len - prompt)
+        out.append((prompt, output))
+    return out
+
+
+def make_llm(model_dir: Path, **engine_args: Any) -> LLM:
+    return LLM(str(model_dir), num_threads=NUM_THREADS, dtype="float32", **engine_args)
+
+
+def run_decode(llm: LLM, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    """All prompts in one `generate`; decode tokens/s from the request metrics (first token to
+    finish), and the first request's token ids."""
+    outs = llm.generate(prompts, greedy(output_len))
+    metrics = [o.metrics for o in outs]
+    tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+    span = max(m.finished_time for m in metrics) - min(m.first_token_time for m in metrics)
+    return {
+        "batch": len(prompts),
+        "decode_tokens": tokens,
+        "decode_s": span,
+        "tokens_s": tokens / span,
+        "token_ids": outs[0].outputs[0].token_ids,
+    }
+
+
+def start_decoding(
+    core, prompts: list[list[int]], max_tokens: int, id_prefix: str, warm_steps: int = 3
+) -> None:
+    """Leave `prompts` decoding in the engine core (stepped directly, no detokenizer): add them
+    (ids `id_prefix` + index), step through their prefills, then `warm_steps` decode steps."""
+    for i, prompt in enumerate(prompts):
+        core.add_request(core.make_request(f"{id_prefix}{i}", prompt, greedy(max_tokens)))
+    while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
+        core.step()  # the prefills
+    for _ in range(warm_steps):
+        core.step()
