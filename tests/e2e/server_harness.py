@@ -1,9 +1,16 @@
-"""Start `pdserve serve` as a real subprocess on a free loopback port, and read its metrics."""
+"""Start `pdserve serve` as a real subprocess on a free loopback port, and read its metrics.
+
+Faults are injected from the test side only: an `env` with a `PDSERVE_FAULT_*` variable puts
+`faults/` first on the server's PYTHONPATH, whose `sitecustomize.py` (imported by every Python
+process of that server, workers included) applies the fault in the workers it is meant for.
+"""
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
+import json
 import os
 import re
 import signal
@@ -11,15 +18,32 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
+
+FAULTS_DIR = Path(__file__).parent / "faults"
+# Read by faults/sitecustomize.py (see its docstring): seconds a prefill worker sleeps after each
+# step, and a file whose existence holds back the start of a (re)started decode worker.
+FAULT_PREFILL_DELAY = "PDSERVE_FAULT_PREFILL_DELAY_S"
+FAULT_DECODE_START_GATE = "PDSERVE_FAULT_DECODE_START_GATE"
 
 
 def _sum(text: str, name: str, labels: str = "") -> float:
     """Sum of a metric's samples (in Prometheus text) whose labels contain `labels`."""
     pattern = rf"^{name}{{([^}}]*)}} (\S+)$"
     return sum(float(v) for lab, v in re.findall(pattern, text, re.M) if labels in lab)
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """Poll `cond()` until it holds."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.02)
 
 
 def free_port() -> int:
@@ -46,6 +70,49 @@ class Server:
     def metrics_text(self) -> str:
         with httpx.Client(timeout=10, headers=self.headers) as client:
             return client.get(f"{self.url}/metrics").text
+
+    def wait_for(
+        self, cond: Callable[[Callable[..., float]], bool], what: str, timeout_s: float = 60.0
+    ) -> Callable[..., float]:
+        """Poll /metrics until `cond(m)` holds, where `m(name, labels="")` reads one metric of
+        that scrape (summed over the samples whose labels contain `labels`); returns that `m`,
+        so a test can check more of the same scrape."""
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=10, headers=self.headers) as client:
+            while True:
+                text = client.get(f"{self.url}/metrics").text
+                read = functools.partial(_sum, text)
+                if cond(read):
+                    return read
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+                time.sleep(0.02)
+
+    def wait_health(self, cond: Callable[[dict], bool], what: str, timeout_s: float = 60.0) -> dict:
+        """Poll /health until `cond(its JSON)` holds; returns that JSON."""
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=10, headers=self.headers) as client:
+            while True:
+                health = client.get(f"{self.url}/health").json()
+                if cond(health):
+                    return health
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+                time.sleep(0.02)
+
+    def open_request(self, path: str, body: dict) -> socket.socket:
+        """Send a POST on a raw connection and leave the answer unread: closing the socket is a
+        client disconnect at a moment the test chooses."""
+        data = json.dumps(body).encode()
+        head = (
+            f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{self.port}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(data)}\r\n"
+            + "".join(f"{k}: {v}\r\n" for k, v in self.headers.items())
+            + "\r\n"
+        )
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+        sock.sendall(head.encode() + data)
+        return sock
 
     def wait_idle(self, timeout_s: float = 15.0) -> None:
         """Wait until no request runs or waits and no KV block is referenced (the pool is whole)."""
@@ -87,6 +154,14 @@ class Server:
     def worker_pid(self, role: str, index: int = 0) -> int:
         """The pid of the `index`-th live worker of a role, by worker id."""
         return [pid for (r, _), pid in sorted(self.worker_pids().items()) if r == role][index]
+
+    def shm_kv_file(self, pid: int) -> str:
+        """The shared-memory file holding a decode worker's KV cache (shm transport), found in
+        the process's memory maps."""
+        with open(f"/proc/{pid}/maps") as f:
+            paths = {line.split()[-1] for line in f if "/kv-" in line}
+        assert len(paths) == 1, paths
+        return paths.pop()
 
     def listening_tcp_ports(self, pid: int) -> list[int]:
         """The TCP ports a process listens on (from /proc: its socket inodes in /proc/net/tcp)."""
@@ -139,9 +214,12 @@ def start_server(
         "warning",
         *extra,
     ]
+    env = {**os.environ, **(env or {})}
+    if any(k.startswith("PDSERVE_FAULT_") for k in env):
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULTS_DIR), env.get("PYTHONPATH")]))
     proc = subprocess.Popen(
         cmd,
-        env={**os.environ, **(env or {})},
+        env=env,
         start_new_session=True,  # a Ctrl-C reaches pytest, which stops the server itself
         preexec_fn=_die_with_parent,
         umask=umask,

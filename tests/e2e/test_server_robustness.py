@@ -148,22 +148,31 @@ def test_fuzzed_request_bodies_never_500(server, examples):
     server.wait_idle()
 
 
+def completed(server) -> float:
+    """Requests that ran to their max_tokens (an aborted one never counts here)."""
+    return server.metric("pdserve_requests_total", 'finish_reason="length"')
+
+
 def test_streaming_client_disconnect_aborts_and_frees_blocks(server):
+    before = completed(server)
     with httpx.stream(
         "POST", server.url + CMPL, json=cmpl(max_tokens=400, ignore_eos=True, stream=True)
     ) as r:
         lines = r.iter_lines()
-        for _ in range(3):
-            next(lines)
+        assert next(lines).startswith("data: {")  # generating: tokens are streaming
     server.wait_idle(timeout_s=10)
-    finished = server.metric("pdserve_requests_total")
-    assert finished >= 0
+    assert completed(server) == before  # aborted, not run to its 400 tokens
 
 
 def test_non_streaming_client_disconnect_aborts(server):
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + CMPL, json=cmpl(max_tokens=450, ignore_eos=True), timeout=0.3)
+    before = completed(server)
+    sock = server.open_request(CMPL, cmpl(max_tokens=450, ignore_eos=True))
+    server.wait_for(
+        lambda m: m("pdserve_num_requests_running") == 1, "the request to be generating"
+    )
+    sock.close()
     server.wait_idle(timeout_s=10)
+    assert completed(server) == before
 
 
 def test_200_concurrent_streaming_clients(server):
@@ -245,6 +254,8 @@ def test_dead_worker_fails_requests_clearly_without_hanging(stories_path):
         pid = s.worker_pid("both")
         result = {}
 
+        first_token = threading.Event()
+
         def stream():
             with httpx.stream(
                 "POST",
@@ -252,15 +263,23 @@ def test_dead_worker_fails_requests_clearly_without_hanging(stories_path):
                 timeout=30,
                 json=cmpl(max_tokens=450, ignore_eos=True, stream=True),
             ) as r:
-                result["lines"] = list(r.iter_lines())
+                result["lines"] = []
+                for line in r.iter_lines():
+                    result["lines"].append(line)
+                    first_token.set()
 
         t = threading.Thread(target=stream)
         t.start()
-        time.sleep(0.3)
+        assert first_token.wait(timeout=30)  # the worker is generating
         os.kill(pid, signal.SIGKILL)
         t.join(timeout=10)
         assert not t.is_alive()
-        assert any("engine unavailable" in line for line in result["lines"])
+        events = [json.loads(line[6:]) for line in result["lines"] if line.startswith("data: {")]
+        assert "choices" in events[0]  # a token came before the death
+        error = events[-1]["error"]  # then the stream ends with a 503 error event
+        assert error["type"] == "service_unavailable" and "died" in error["message"]
+        assert "engine unavailable" in error["message"]
+        assert [e for e in events if "choices" in e and e["choices"][0]["finish_reason"]] == []
         assert result["lines"][-1] == "data: [DONE]" or result["lines"][-2] == "data: [DONE]"
         h = httpx.get(s.url + "/health")
         assert h.status_code == 503 and "died" in h.json()["error"]["message"]
@@ -274,6 +293,7 @@ def test_sigterm_shuts_down_cleanly(stories_path):
     s = start_server(stories_path)
     pid = s.worker_pid("both")
     done = {}
+    first_token = threading.Event()
 
     def stream():
         try:
@@ -283,13 +303,14 @@ def test_sigterm_shuts_down_cleanly(stories_path):
                 timeout=30,
                 json=cmpl(max_tokens=200, ignore_eos=True, stream=True),
             ) as r:
-                done["lines"] = list(r.iter_lines())
+                for _ in r.iter_lines():
+                    first_token.set()
         except httpx.HTTPError as e:
             done["error"] = e
 
     t = threading.Thread(target=stream)
     t.start()
-    time.sleep(0.3)
+    assert first_token.wait(timeout=30)  # shut down while a request streams
     # uvicorn shuts down gracefully, then re-raises the signal: exit by SIGTERM is expected.
     assert s.stop() in (0, -signal.SIGTERM)
     t.join(timeout=10)

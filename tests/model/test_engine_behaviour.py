@@ -12,7 +12,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineArgs
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.llm_engine import LLMEngine, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -20,11 +20,29 @@ def llm(stories_path):
     return LLM(stories_path)
 
 
+@pytest.fixture(scope="module")
+def period_eos_llm(stories_path, tmp_path_factory):
+    """stories260K never emits its EOS (id 2: llama2.c separates stories with BOS), so nothing
+    would show EOS at work. This copy of the model declares "." its EOS: the model's own greedy
+    continuation of [1] then reaches EOS at the end of its first sentence, 15 tokens in."""
+    folder = tmp_path_factory.mktemp("period_eos") / "stories260K"
+    shutil.copytree(stories_path, folder)
+    period = load_tokenizer(stories_path).convert_tokens_to_ids(".")
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((folder / name).read_text())
+        cfg["eos_token_id"] = period
+        (folder / name).write_text(json.dumps(cfg))
+    llm = LLM(str(folder))
+    assert llm.engine.core.model_config.eos_token_ids == (period,)
+    return llm
+
+
 @pytest.fixture(autouse=True)
 def pool_whole_after(request):
     yield
-    if "llm" in request.fixturenames:
-        request.getfixturevalue("llm").engine.core.kv.pool.check_whole()
+    for name in ("llm", "period_eos_llm"):
+        if name in request.fixturenames:
+            request.getfixturevalue(name).engine.core.kv.pool.check_whole()
 
 
 def test_seeded_request_same_alone_and_in_batch(llm):
@@ -61,7 +79,7 @@ def test_stop_string_ends_output_before_it(llm):
     assert kept.text == full[: full.index("Lily.") + len("Lily.")]
 
 
-def test_stop_token_ids_and_eos(llm):
+def test_stop_token_ids_and_eos(llm, period_eos_llm):
     full = llm.generate([[1]], SamplingParams(temperature=0, max_tokens=20))[0].token_ids
     out = llm.generate(
         [[1]], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[full[5]])
@@ -69,12 +87,43 @@ def test_stop_token_ids_and_eos(llm):
     assert out.token_ids == full[: full.index(full[5]) + 1]
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == full[5]
 
+    # The model's EOS ends the output (kept as its last token id), with no stop reason.
+    (eos,) = period_eos_llm.engine.core.model_config.eos_token_ids
+    assert eos not in full[:10] and eos in full  # it comes early, but not at once
+    out = period_eos_llm.generate([[1]], SamplingParams(temperature=0, max_tokens=20))[0]
+    assert out.token_ids == full[: full.index(eos) + 1]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason is None
+    assert out.text.endswith("Lily.")
 
-def test_min_tokens_and_ignore_eos_lengths(llm):
+
+def test_min_tokens_and_ignore_eos_lengths(period_eos_llm):
+    llm = period_eos_llm
+    (eos,) = llm.engine.core.model_config.eos_token_ids
+    early = llm.generate([[1]], SamplingParams(temperature=0, max_tokens=60))[0]
+    assert early.finish_reason == "stop" and early.token_ids[-1] == eos
+    n_early = len(early.token_ids)
+    assert n_early < 20
+
+    # min_tokens: EOS is masked until that many tokens exist, then it may end the output again.
+    min_tokens = n_early + 10
+    params = SamplingParams(temperature=0, max_tokens=60, min_tokens=min_tokens)
+    out = llm.generate([[1]], params)[0]
+    assert len(out.token_ids) >= min_tokens
+    assert eos not in out.token_ids[:min_tokens]
+    assert out.token_ids[: n_early - 1] == early.token_ids[:-1]  # the same text up to the EOS
+    assert out.finish_reason == "stop" and out.token_ids[-1] == eos  # a later EOS ends it
+    # Stop token ids are held back the same way (this one would end the output at 3 tokens).
+    stop_id = early.token_ids[2]
     out = llm.generate(
-        ["The end."], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+        [[1]],
+        SamplingParams(temperature=0, max_tokens=60, min_tokens=8, stop_token_ids=[stop_id]),
     )[0]
+    assert len(out.token_ids) >= 8 and stop_id not in out.token_ids[:8]
+
+    # ignore_eos: the output runs to max_tokens, past every EOS the model emits.
+    out = llm.generate([[1]], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))[0]
     assert len(out.token_ids) == 300 and out.finish_reason == "length"
+    assert eos in out.token_ids[:n_early]
 
 
 def test_n_completions_share_prompt_blocks_and_differ(llm):
