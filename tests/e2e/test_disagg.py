@@ -416,15 +416,6 @@ def test_decode_worker_killed_fails_its_requests_and_restarts(stories_path, offl
 
 
 @SLOW
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: KVSender._connect (pdserve/disagg/connector.py) maps a decode worker's shm KV "
-    "cache with the prefill worker's own slot count (self.own[0].shape[1]), not the decode "
-    "worker's; when the pools' --{prefill,decode}-num-kv-blocks or -kv-cache-memory differ, "
-    "every layer after the first is written at the wrong offset (silently wrong outputs; a "
-    "smaller decode cache file is also grown to the prefill worker's size), and a decode slot "
-    "past the prefill pool's size raises IndexError and kills the prefill worker",
-)
 @pytest.mark.parametrize(
     "pool_size",
     [("--prefill-num-kv-blocks", "16"), ("--decode-num-kv-blocks", "64")],

@@ -8,6 +8,7 @@ scatter when the stretches are short (block tables scattered over the caches).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,10 +34,17 @@ def shm_cache_factory(path_holder: list[str], directory: str | None = None) -> C
     return make
 
 
-def map_shm_cache(path: str, layout: KVLayout, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
+def map_shm_cache(path: str, layout: KVLayout, dtype: torch.dtype) -> torch.Tensor:
+    """Map a decode worker's whole cache file. Its slot count is the decode worker's own (pools
+    may size their caches differently), so it comes from the file's size, never from ours."""
+    row = layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    size = os.path.getsize(path)
+    if size == 0 or size % (row * itemsize):
+        raise ValueError(f"{path}: {size} bytes is not a whole KV cache of {layout}")
+    num_slots = size // (row * itemsize)
     shape = (layout.num_layers, 2, num_slots, layout.num_kv_heads, layout.head_dim)
-    numel = int(np.prod(shape))
-    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+    return torch.from_file(path, shared=True, size=size // itemsize, dtype=dtype).view(shape)
 
 
 @dataclass
@@ -61,5 +69,4 @@ class ShmTransport:
     def open_peer(self, endpoint: PeerEndpoint, own: list[torch.Tensor]) -> ShmPeer:
         if not endpoint.shm_path:
             raise ValueError(f"decode worker {endpoint.worker_id} offers no shared-memory cache")
-        num_slots = own[0].shape[1]
-        return ShmPeer(map_shm_cache(endpoint.shm_path, endpoint.layout, num_slots, own[0].dtype))
+        return ShmPeer(map_shm_cache(endpoint.shm_path, endpoint.layout, own[0].dtype))
