@@ -1,0 +1,115 @@
+"""The P:D controller's policy on synthetic metric sequences (no processes, no torch)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.pools.pd_controller import (
+    LoadSample,
+    PDController,
+    PhaseSLO,
+    describe,
+    pressures,
+)
+
+SLO = PhaseSLO(ttft_s=2.0, tpot_s=0.1)
+
+
+def calm(t):
+    return LoadSample(t, 0, 0.1, 0.03, 0.2, 1.0, 1.0)
+
+
+def prefill_heavy(t):  # long queue, decodes quick
+    return LoadSample(t, 4000, 3.0, 0.03, 0.3, 0.7, 1.0)
+
+
+def interfered(t):  # decodes miss TPOT while prompts wait
+    return LoadSample(t, 800, 0.5, 0.14, 0.4, 1.0, 0.6)
+
+
+def decode_heavy(t):  # no prompts waiting, decode slow
+    return LoadSample(t, 0, 0.0, 0.13, 0.5, 1.0, 0.7)
+
+
+def run(ctrl, samples):
+    return [d for d in map(ctrl.observe, samples) if d is not None]
+
+
+def test_pure_and_torch_free():
+    code = "import sys, pdserve.pools.pd_controller; sys.exit(int('torch' in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_pressures_are_relative_to_the_slo():
+    pre, dec = pressures(LoadSample(0, 10, 1.0, 0.05, 0.1), SLO)
+    assert (pre, dec) == pytest.approx((0.5, 0.5))
+    pre, _ = pressures(LoadSample(0, 10, 0.0, None, 0.1, ttft_attainment=0.85), SLO)
+    assert pre == pytest.approx(1.5)  # 15% of requests missed TTFT
+
+
+def test_steady_load_never_switches():
+    ctrl = PDController(2, SLO)
+    assert run(ctrl, [calm(t) for t in range(100)]) == []
+    ctrl = PDController(2, SLO, start=(1, 1))
+    assert run(ctrl, [calm(t) for t in range(100)]) == []
+
+
+def test_interference_splits_a_colocated_deployment_after_patience():
+    ctrl = PDController(2, SLO, patience=3, min_dwell_s=0)
+    assert run(ctrl, [interfered(0), interfered(1)]) == []
+    [d] = run(ctrl, [interfered(2)])
+    assert (d.old, d.new, describe(d.new)) == ((0, 2), (1, 1), "1P+1D")
+    assert "stall" in d.reason and ctrl.split == (1, 1)
+
+
+def test_decode_bound_colocated_load_is_left_alone():
+    """Slow decodes with no prompt waiting: taking a worker from decode would not help."""
+    ctrl = PDController(2, SLO, patience=1, min_dwell_s=0)
+    assert run(ctrl, [decode_heavy(t) for t in range(20)]) == []
+
+
+def test_step_change_to_prefill_heavy_goes_back_to_colocated():
+    ctrl = PDController(2, SLO, start=(1, 1), patience=3, min_dwell_s=0)
+    decisions = run(ctrl, [calm(t) for t in range(10)] + [prefill_heavy(t) for t in range(10, 20)])
+    assert [(d.t, d.new) for d in decisions] == [(12, (0, 2))]
+    assert "prefill pressure" in decisions[0].reason
+
+
+def test_more_workers_move_one_at_a_time():
+    ctrl = PDController(4, SLO, start=(1, 3), patience=2, min_dwell_s=5)
+    decisions = run(ctrl, [prefill_heavy(t) for t in range(20)])
+    assert [d.new for d in decisions] == [(2, 2), (3, 1), (0, 4)]
+    assert [d.t for d in decisions] == [1, 6, 11]  # dwell time between switches
+
+
+def test_decode_pressure_or_a_full_kv_cache_moves_workers_to_decode():
+    ctrl = PDController(3, SLO, start=(2, 1), patience=1, min_dwell_s=0)
+    [d] = run(ctrl, [decode_heavy(0)])
+    assert d.new == (1, 2)
+    full = LoadSample(1, 0, 0.0, 0.03, 0.95, 1.0, 1.0)
+    [d] = run(ctrl, [full])
+    assert d.new == (0, 3) and "KV usage 95%" in d.reason
+
+
+def test_oscillating_load_does_not_flap():
+    """Interference and prefill-heavy stretches alternate every 2 samples: no wish lasts the
+    patience, so the deployment stays put; with patience met, dwell time bounds the switches."""
+    load = [interfered(t) if (t // 2) % 2 == 0 else prefill_heavy(t) for t in range(200)]
+    assert run(PDController(2, SLO, patience=3, min_dwell_s=0), load) == []
+    slow = [interfered(t) if (t // 4) % 2 == 0 else prefill_heavy(t) for t in range(200)]
+    decisions = run(PDController(2, SLO, patience=3, min_dwell_s=30), slow)
+    gaps = [b.t - a.t for a, b in zip(decisions, decisions[1:])]
+    assert decisions and all(g >= 30 for g in gaps)
+    assert len(decisions) <= 200 // 30 + 1
+
+
+def test_bad_configurations_are_refused():
+    with pytest.raises(ValueError, match="num_workers"):
+        PDController(0, SLO)
+    with pytest.raises(ValueError, match="start split"):
+        PDController(2, SLO, start=(2, 0))
+    with pytest.raises(ValueError, match="start split"):
+        PDController(2, SLO, start=(1, 2))
