@@ -155,6 +155,14 @@ class KVTransportKind(enum.StrEnum):
     TCP = "tcp"  # across hosts: layer rows as ZMQ frames
 
 
+class RoleControl(enum.StrEnum):
+    """Who sets the workers' roles (`--pd-ratio`)."""
+
+    STATIC = "static"  # fixed at startup by --prefill-workers / --decode-workers
+    MANUAL = "manual"  # switchable workers; an operator sets the split (POST /deployment)
+    AUTO = "auto"  # switchable workers; the P:D controller sets the split from the load
+
+
 class KVRole(enum.StrEnum):
     """A request's part in a handoff, on the worker that holds it."""
 

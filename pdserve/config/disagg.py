@@ -20,7 +20,7 @@ from pdserve.config.settings import (
     require,
     setting,
 )
-from pdserve.types import KVTransportKind, PrefillFailurePolicy, Role
+from pdserve.types import KVTransportKind, PrefillFailurePolicy, Role, RoleControl
 
 DISAGG_GROUP = "disaggregation (prefill and decode worker pools)"
 
@@ -40,7 +40,7 @@ class DisaggConfig:
         1,
         flag="decode-workers",
         metavar="D",
-        help="decode workers (more than one needs --prefill-workers >= 1)",
+        help="decode workers (with no prefill workers: colocated workers behind the router)",
         checks=(at_least(1),),
     )
     kv_transport: KVTransportKind = setting(
@@ -79,14 +79,32 @@ class DisaggConfig:
         default_factory=dict, why="EngineArgs per-pool settings: the --decode-* flags"
     )
     restart_workers: bool = setting(False, help="start a dead worker again; it rejoins its pool")
+    pd_ratio: RoleControl = setting(
+        RoleControl.STATIC,
+        help="static: roles fixed at startup; manual: every worker can switch role, set with "
+        "POST /deployment; auto: the P:D controller switches roles from the measured load "
+        "(the starting split is --prefill-workers:--decode-workers)",
+    )
+    slo_ttft_ms: float = setting(
+        2000.0, help="time-to-first-token target the P:D controller steers by", checks=(POSITIVE,)
+    )
+    slo_tpot_ms: float = setting(
+        150.0, help="time-per-output-token target the P:D controller steers by", checks=(POSITIVE,)
+    )
+    pd_min_dwell_s: float = setting(
+        30.0,
+        metavar="SECONDS",
+        help="the P:D controller keeps a split at least this long",
+        checks=(POSITIVE,),
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)
         require(
-            self.num_prefill_workers > 0 or self.num_decode_workers == 1,
-            "decode_workers",
-            self.num_decode_workers,
-            "more than one needs --prefill-workers >= 1",
+            self.pd_ratio == RoleControl.STATIC or self.num_workers >= 2,
+            "pd_ratio",
+            self.pd_ratio,
+            "switching roles needs at least two workers",
         )
         check_overrides(EngineArgs, self.prefill_overrides, "prefill_overrides")
         check_overrides(EngineArgs, self.decode_overrides, "decode_overrides")
@@ -95,12 +113,21 @@ class DisaggConfig:
     def disaggregated(self) -> bool:
         return self.num_prefill_workers > 0
 
+    @property
+    def num_workers(self) -> int:
+        return self.num_prefill_workers + self.num_decode_workers
+
+    @property
+    def switchable(self) -> bool:
+        return self.pd_ratio != RoleControl.STATIC
+
 
 def worker_specs(
     args: EngineArgs, disagg: DisaggConfig
 ) -> list[tuple[Role, EngineArgs, str | None]]:
-    """(role, engine args, CPU set) of every worker, prefill workers first."""
-    if not disagg.disaggregated:
+    """(role, engine args, CPU set) of every worker, prefill workers first. With no prefill
+    workers the decode workers are colocated ones (role both)."""
+    if disagg.num_workers == 1:
         cpus = disagg.decode_cpus[0] if disagg.decode_cpus else None
         return [(Role.BOTH, args, cpus)]
     out = []
@@ -110,7 +137,12 @@ def worker_specs(
         args = replace(args, linear_backend="torch")
     for role, n, overrides, cpus in (
         (Role.PREFILL, disagg.num_prefill_workers, disagg.prefill_overrides, disagg.prefill_cpus),
-        (Role.DECODE, disagg.num_decode_workers, disagg.decode_overrides, disagg.decode_cpus),
+        (
+            Role.DECODE if disagg.disaggregated else Role.BOTH,
+            disagg.num_decode_workers,
+            disagg.decode_overrides,
+            disagg.decode_cpus,
+        ),
     ):
         pool_args = replace(args, **overrides)
         for i in range(n):

@@ -9,9 +9,9 @@ The protocol, for one core request routed to decode worker D and prefill worker 
    `KVReservation` (`on_reservation`).
 2. P gets `AddRequest(kv_role=SEND, kv_dest=...)`: it prefills, ships the KV layer by layer,
    sends `KVDone` (with the first token) straight to D, and the first token to the frontend
-   (`from_prefill`), which streams it at once: TTFT is P's.
+   (`accept`), which streams it at once: TTFT is P's.
 3. D reports `kv_received` (`on_kv_received`) and decodes on. D's tokens are held until P's first
-   token has been delivered (`from_decode`), so the client sees them in order.
+   token has been delivered (`accept`), so the client sees them in order.
 
 Failures: no KV by the deadline (`check_deadlines`) or a dead P (`on_prefill_death`) make D
 recompute the prompt after any token the client already has (a *fallback*), or, with the `fail`
@@ -22,7 +22,7 @@ Blocks that P may still be writing into stay quarantined on D until P is known t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pdserve.disagg.protocol import KVDest
@@ -116,37 +116,41 @@ class HandoffCoordinator:
             h.kv_done, h.first_token = True, first_token
             if h.accepted_tokens:  # the first token is out: nothing more to coordinate
                 del self.handoffs[core_id]
+                if h.held:  # (a worker reports the KV before its decode tokens; be safe)
+                    self.deliver(h.decode_id, h.held)
 
-    def from_decode(self, worker_id: int, outputs: list[EngineCoreOutput]):
-        """A decode worker's outputs that may go to the client now; the others are held until
-        the prefill worker's first token has been delivered."""
+    def accept(
+        self, worker_id: int, outputs: list[EngineCoreOutput], decoder_of: Mapping[str, int]
+    ) -> list[EngineCoreOutput]:
+        """The outputs of one worker's step that go to the client now, in order. A worker may
+        be the prefill side of some requests and the decode side of others (`decoder_of` says
+        which worker decodes each request): first tokens from a request's prefill worker go out
+        at once, followed by any decode outputs that waited for them; a decode worker's outputs
+        wait while its request's first token is still on its way; an output from a prefill
+        worker the request has fallen back from (or from any other worker) is dropped."""
         kept = []
         for out in outputs:
             h = self.handoffs.get(out.request_id)
-            if h is not None and h.decode_id == worker_id and out.error is None:
-                h.held.append(out)
-            else:
-                kept.append(out)
+            if h is not None and h.prefill_id == worker_id:
+                kept += self._first_token(h, out)
+            elif decoder_of.get(out.request_id) == worker_id:
+                if h is not None and out.error is None:
+                    h.held.append(out)
+                else:
+                    kept.append(out)
         return kept
 
-    def from_prefill(self, worker_id: int, outputs: list[EngineCoreOutput]):
-        """A prefill worker's outputs (first tokens) that go to the client, followed by any
-        decode outputs that waited for them."""
-        kept = []
-        for out in outputs:
-            h = self.handoffs.get(out.request_id)
-            if h is None or h.prefill_id != worker_id:
-                continue  # fallen back to local recompute (or gone): the decode worker owns it
-            self.sent_to.get(worker_id, set()).discard(out.request_id)
-            h.accepted_tokens.extend(out.new_token_ids)
-            kept.append(out)
-            if out.finish_reason is not None:  # ended at the first token: nothing to hand off
-                del self.handoffs[out.request_id]
-                self.send(h.decode_id, FinishRequests([out.request_id], release_kv=False))
-            elif h.kv_done:  # the decode worker's tokens waited for this one
-                del self.handoffs[out.request_id]
-                kept.extend(h.held)
-        return kept
+    def _first_token(self, h: Handoff, out: EngineCoreOutput) -> list[EngineCoreOutput]:
+        self.sent_to.get(h.prefill_id, set()).discard(h.core_id)
+        h.accepted_tokens.extend(out.new_token_ids)
+        if out.finish_reason is not None:  # ended at the first token: nothing to hand off
+            del self.handoffs[h.core_id]
+            self.send(h.decode_id, FinishRequests([h.core_id], release_kv=False))
+            return [out]
+        if h.kv_done:  # the decode worker's tokens waited for this one
+            del self.handoffs[h.core_id]
+            return [out, *h.held]
+        return [out]
 
     # ---- failures ------------------------------------------------------------------------
     def check_deadlines(self) -> list[str]:

@@ -77,6 +77,10 @@ class Router:
         w.num_free_blocks, w.queued_prefill_tokens = num_free_blocks, queued_prefill_tokens
         w.pending_blocks = w.pending_tokens = 0
 
+    def set_role(self, worker_id: int, role: Role) -> None:
+        """A switchable worker's new role: it takes new work of that role only."""
+        self.workers[worker_id].role = role
+
     def set_alive(self, worker_id: int, alive: bool) -> None:
         w = self.workers[worker_id]
         w.alive = alive

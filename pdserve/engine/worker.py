@@ -78,6 +78,7 @@ class Worker:
         kv_transport: KVTransportKind = KVTransportKind.SHM,
         kv_address: str | None = None,
         key: bytes = b"",
+        switchable: bool = False,
     ):
         from pdserve.disagg.connector import make_connector
 
@@ -85,7 +86,7 @@ class Worker:
         self.role = Role(role)
         self.worker_id = worker_id
         self.connector = make_connector(
-            self.role, worker_id, key, KVTransportKind(kv_transport), kv_address
+            self.role, worker_id, key, KVTransportKind(kv_transport), kv_address, switchable
         )
         self.ctx = zmq.Context()
         self.out_sock = make_socket(self.ctx, zmq.PUSH, output_addr, bind=False)
@@ -309,7 +310,12 @@ def main(argv: list[str] | None = None) -> int:
         type=KVTransportKind,
         choices=list(KVTransportKind),
     )
-    p.add_argument("--kv-address", help="decode role: where to bind the KV channel")
+    p.add_argument("--kv-address", help="where to bind the KV channel (a worker that receives KV)")
+    p.add_argument(
+        "--switchable",
+        action="store_true",
+        help="send and receive KV whatever the role, so the frontend can change it",
+    )
     p.add_argument("--cpus", help="CPU set to pin this worker to, e.g. 0 or 2-3")
     a = p.parse_args(argv)
     logging.basicConfig(
@@ -328,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         a.kv_transport,
         a.kv_address,
         key=secret_from_env(),
+        switchable=a.switchable,
     )
     # The frontend coordinates shutdown: a terminal's Ctrl-C reaches the whole process group,
     # so ignore it here; SIGTERM stops the loop cleanly.

@@ -187,6 +187,30 @@ def build_app(
             )
         return {"status": "degraded" if client.degraded else "ok", "workers": workers}
 
+    @app.get("/deployment")
+    async def deployment():
+        """Workers, their roles, and the last role switches with their reasons."""
+        return state.client.deployment()
+
+    @app.post("/deployment")
+    async def set_deployment(request: Request):
+        """`{"prefill_workers": P}`: P live workers prefill, the rest decode (0: colocated)."""
+        try:
+            body = json.loads(await request.body())
+            p = body["prefill_workers"]
+            if type(p) is not int:
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            raise APIError(
+                400,
+                "expected a JSON object with an integer prefill_workers",
+                param="prefill_workers",
+            ) from None
+        try:
+            return state.client.set_split(p)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prefill_workers") from None
+
     @app.get("/version")
     async def version():
         return {"version": pdserve.__version__}

@@ -7,6 +7,8 @@ reports. Every server has its own registry, so tests can run several in one proc
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pdserve.ipc.messages import StepOutputs
@@ -38,6 +40,7 @@ LATENCY_BUCKETS = (
     80.0,
 )
 LABELS = ("role", "worker")
+PHASES = ("prefill", "decode", "mixed")  # of a step (pdserve.engine.stats)
 
 
 class ServerMetrics:
@@ -137,6 +140,33 @@ class ServerMetrics:
         self.worker_up = Gauge(
             "pdserve_worker_up", "1 while the worker process lives", LABELS, registry=r
         )
+        self.role_switches = Counter(
+            "pdserve_role_switches",
+            "workers switched from one role to another (--pd-ratio manual or auto)",
+            ("from", "to"),
+            registry=r,
+        )
+        self.workers_by_role = Gauge(
+            "pdserve_workers", "live workers per role", ("role",), registry=r
+        )
+
+    def forget_role(self, worker_id: int, role) -> None:
+        """A worker switched away from `role`: its gauges under that role go (its counters and
+        histograms keep their history)."""
+        lab = (str(role), str(worker_id))
+        for g in (self.running, self.waiting, self.kv_usage, self.preemptions, self.prefix_queries,
+                  self.prefix_hits, self.kv_gbps, self.kv_exposed, self.worker_up):  # fmt: skip
+            with contextlib.suppress(KeyError):
+                g.remove(*lab)
+        for g in (self.mfu, self.mbu):
+            for phase in PHASES:
+                with contextlib.suppress(KeyError):
+                    g.remove(*lab, phase)
+
+    def set_roles(self, live_workers) -> None:
+        for role in Role:
+            n = sum(w.role == role for w in live_workers)
+            self.workers_by_role.labels(str(role)).set(n)
 
     def on_step(self, worker, msg: StepOutputs) -> None:
         lab = (worker.role, str(worker.worker_id))

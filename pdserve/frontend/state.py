@@ -116,7 +116,10 @@ class Admission:
 
 
 def engine_client(engine_args: EngineArgs, config: ServerConfig, disagg: DisaggConfig):
-    specs = [WorkerSpec(role, args, cpus) for role, args, cpus in worker_specs(engine_args, disagg)]
+    specs = [
+        WorkerSpec(role, args, cpus, switchable=disagg.switchable)
+        for role, args, cpus in worker_specs(engine_args, disagg)
+    ]
     return EngineClient(
         specs,
         queue_timeout_s=config.queue_timeout_s,

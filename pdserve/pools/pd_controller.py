@@ -13,8 +13,9 @@ Each sample is read as two pressures against the deployment's SLOs, 1.0 meaning 
 
 The policy, for a deployment of `n` workers:
 
-- colocated, decode missing its SLO while prefill work is queued: prefills stall the decodes
-  that share their steps, so split (1 prefill worker, `n - 1` decode);
+- colocated, decode missing its SLO while there is prefill work (prompts queued, or computed
+  lately in steps that decodes shared): prefills stall the decodes that share their steps, so
+  split (1 prefill worker, `n - 1` decode);
 - split, prefill missing its SLO while decode has headroom: move a decode worker to prefill, or
   back to colocated when only one decode worker is left (then every worker prefills);
 - split, decode missing its SLO (or its KV cache nearly full) while prefill has headroom: move a
@@ -52,6 +53,12 @@ class LoadSample:
     kv_usage: float  # the highest KV cache usage among workers that decode
     ttft_attainment: float | None = None  # share of recent requests within the TTFT SLO
     tpot_attainment: float | None = None  # share of recent requests within the TPOT SLO
+    prefill_tokens_on_decoders: int = 0  # prompt tokens that workers which decode computed lately
+
+    @property
+    def prefill_work(self) -> bool:
+        """Prompts are queued, or were computed in steps that decodes shared."""
+        return self.queued_prefill_tokens > 0 or self.prefill_tokens_on_decoders > 0
 
 
 @dataclass(frozen=True)
@@ -79,10 +86,10 @@ def wish(split: Split, s: LoadSample, slo: PhaseSLO) -> tuple[Split, str] | None
     n = p + d
     pre, dec = pressures(s, slo)
     if p == 0:
-        if n >= 2 and dec >= HIGH and s.queued_prefill_tokens > 0:
+        if n >= 2 and dec >= HIGH and s.prefill_work:
             return (1, n - 1), (
-                f"decode pressure {dec:.2f} with {s.queued_prefill_tokens} prompt tokens queued: "
-                "prefills stall colocated decodes"
+                f"decode pressure {dec:.2f} with prompts to compute ({s.queued_prefill_tokens} "
+                f"queued, {s.prefill_tokens_on_decoders} lately): prefills stall colocated decodes"
             )
         return None
     if pre >= HIGH and dec < LOW:

@@ -54,6 +54,7 @@ class WorkerSpec:
     role: Role
     args: EngineArgs
     cpus: str | None = None
+    switchable: bool = False  # its role can change at run time (it sends and receives KV)
 
 
 class WorkerProcess(Protocol):
@@ -85,10 +86,11 @@ class WorkerHandle:
     state: WorkerState | None = None
     alive: bool = True
     restarting: bool = False
+    role: Role | None = None  # what it does now: the spec's role, unless switched since
 
-    @property
-    def role(self) -> Role:
-        return self.spec.role
+    def __post_init__(self) -> None:
+        if self.role is None:
+            self.role = self.spec.role
 
 
 class WorkerPool:
@@ -140,7 +142,9 @@ class WorkerPool:
             "--kv-transport",
             self.kv_transport,
         ]
-        if spec.role == Role.DECODE:
+        if spec.switchable:
+            argv.append("--switchable")
+        if spec.role == Role.DECODE or spec.switchable:
             kv_addr = (
                 self.dirs.address(f"kv{worker_id}")
                 if self.kv_transport == KVTransportKind.SHM
@@ -194,10 +198,12 @@ class WorkerPool:
                 )
 
     def announce_peers(self) -> None:
-        """Tell every live prefill worker where every live decode worker takes KV."""
-        for p in self.live(Role.PREFILL):
-            for d in self.live(Role.DECODE):
-                if d.info.kv_endpoint is not None:
+        """Tell every live worker that may send KV where every other live worker takes it."""
+        for p in self.live():
+            if p.role != Role.PREFILL and not p.spec.switchable:
+                continue
+            for d in self.live():
+                if d is not p and d.info.kv_endpoint is not None:
                     self.send(p.worker_id, PeerInfo(d.info.kv_endpoint))
 
     # ---- state -----------------------------------------------------------------------------
@@ -268,7 +274,7 @@ class WorkerPool:
         await asyncio.sleep(delay_s)
         old.sock.close()
         new = self._launch(old.worker_id, old.spec)
-        new.alive, new.restarting = False, True
+        new.alive, new.restarting, new.role = False, True, old.role
         self.workers[old.worker_id] = new
 
     def rejoin(self, info: WorkerInfo) -> WorkerHandle | None:

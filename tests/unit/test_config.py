@@ -129,7 +129,7 @@ def test_worker_specs_per_pool_overrides_and_cpus():
     ("kwargs", "match"),
     [
         ({"num_decode_workers": 0}, "decode_workers=0"),
-        ({"num_decode_workers": 2}, "prefill-workers"),
+        ({"num_decode_workers": 1, "pd_ratio": "auto"}, "at least two workers"),
         ({"num_prefill_workers": 1, "kv_transport": "rdma"}, "kv_transport='rdma'"),
         ({"num_prefill_workers": 1, "prefill_overrides": {"bogus": 1}}, "bogus"),
         ({"num_prefill_workers": 1, "on_prefill_failure": "retry"}, "on_prefill_failure"),

@@ -21,7 +21,7 @@ from pdserve.config import (
     worker_specs,
 )
 from pdserve.config.settings import option, options, pool_options, undeclared
-from pdserve.types import KVTransportKind, PrefillFailurePolicy
+from pdserve.types import KVTransportKind, PrefillFailurePolicy, RoleControl
 
 SETTINGS_CLASSES = (EngineArgs, ServerConfig, RequestLimits, DisaggConfig)
 
@@ -82,6 +82,10 @@ SAMPLES = {
         prefill_cpus=("0", "1"),
         decode_cpus=("2-3",),
         restart_workers=True,
+        pd_ratio=RoleControl.AUTO,
+        slo_ttft_ms=1500.0,
+        slo_tpot_ms=80.0,
+        pd_min_dwell_s=12.0,
     ),
 }
 

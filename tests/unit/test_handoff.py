@@ -32,6 +32,10 @@ class World:
             clock=lambda: self.now,
         )
 
+    def accept(self, worker_id, outputs):
+        """Outputs of `worker_id`; every request here is decoded by D."""
+        return self.h.accept(worker_id, outputs, {o.request_id: D for o in outputs})
+
     def take(self):
         out, self.sent = self.sent, []
         return out
@@ -59,18 +63,18 @@ def test_happy_path_sends_receive_then_send_and_streams_in_order():
     assert (add.kv_dest.worker_id, add.kv_dest.block_ids) == (D, [3, 4])
     # the decode worker's tokens may arrive before the prefill worker's first token
     w.h.on_kv_received("c", 9)
-    assert w.h.from_decode(D, [tok("c", 11)]) == []  # held
-    kept = w.h.from_prefill(P, [tok("c", 9)])
+    assert w.accept(D, [tok("c", 11)]) == []  # held
+    kept = w.accept(P, [tok("c", 9)])
     assert [o.new_token_ids for o in kept] == [[9], [11]]  # first token, then the held one
     assert "c" not in w.h  # done coordinating
-    assert [o.new_token_ids for o in w.h.from_decode(D, [tok("c", 12)])] == [[12]]
+    assert [o.new_token_ids for o in w.accept(D, [tok("c", 12)])] == [[12]]
 
 
 def test_first_token_before_kv_signal():
     w = World()
     w.start()
     w.reserve()
-    assert [o.new_token_ids for o in w.h.from_prefill(P, [tok("c", 9)])] == [[9]]
+    assert [o.new_token_ids for o in w.accept(P, [tok("c", 9)])] == [[9]]
     assert "c" in w.h
     w.h.on_kv_received("c", 9)
     assert "c" not in w.h
@@ -80,7 +84,7 @@ def test_request_ending_at_its_first_token_is_finished_on_the_decode_worker():
     w = World()
     w.start()
     w.reserve()
-    kept = w.h.from_prefill(P, [tok("c", 2, finish="stop")])
+    kept = w.accept(P, [tok("c", 2, finish="stop")])
     assert kept[0].finish_reason == "stop"
     [(wid, fin)] = w.take()
     # the prefill worker wrote nothing more after its last token: blocks stay until its
@@ -93,10 +97,10 @@ def test_outputs_from_the_wrong_worker_are_dropped_or_passed_through():
     w = World()
     w.start()
     w.reserve()
-    assert w.h.from_prefill(7, [tok("c", 9)]) == []  # not its prefill worker
-    assert w.h.from_prefill(P, [tok("other", 9)]) == []  # not a handoff (any more)
+    assert w.accept(7, [tok("c", 9)]) == []  # not its prefill worker
+    assert w.accept(P, [tok("other", 9)]) == []  # not a handoff (any more)
     err = EngineCoreOutput("c", [], finish_reason="abort", error="refused")
-    assert w.h.from_decode(D, [err]) == [err]  # a refusal is never held
+    assert w.accept(D, [err]) == [err]  # a refusal is never held
 
 
 def test_reservation_for_a_dead_prefill_worker_falls_back_at_once():
@@ -128,7 +132,7 @@ def test_deadline_after_the_first_token_resumes_after_it():
     w = World()
     w.start()
     w.reserve()
-    w.h.from_prefill(P, [tok("c", 9)])
+    w.accept(P, [tok("c", 9)])
     w.now = 6.0
     w.h.check_deadlines()
     resume = next(m for wid, m in w.take() if wid == D)
@@ -140,7 +144,7 @@ def test_kv_done_but_first_token_lost_delivers_it_from_the_decode_side():
     w.start()
     w.reserve()
     w.h.on_kv_received("c", 9)
-    w.h.from_decode(D, [tok("c", 11)])
+    w.accept(D, [tok("c", 11)])
     w.dead.add(P)
     w.h.on_prefill_death(P, [D])
     [(wid, outs)] = w.delivered
@@ -214,3 +218,25 @@ def test_forget_drops_the_state():
     w.start()
     w.h.forget("c")
     assert "c" not in w.h and w.h.check_deadlines() == []
+
+
+def test_one_worker_prefills_one_request_and_decodes_another():
+    """Switchable workers: worker 0 is the prefill side of "a" and the decode side of "b"."""
+    w = World()
+    w.h.start("a", D, P, [5, 6], SamplingParams())
+    w.h.start("b", P, D, [7, 8], SamplingParams())
+    w.h.on_reservation(D, "a", [1], 0)
+    w.h.on_reservation(P, "b", [2], 0)
+    decoders = {"a": D, "b": P}
+    w.h.on_kv_received("b", 4)
+    # worker 0 reports a's first token and b's second; worker 1 the reverse
+    from_p = w.h.accept(P, [tok("a", 3), tok("b", 12)], decoders)
+    assert [(o.request_id, o.new_token_ids) for o in from_p] == [("a", [3])]  # b's is held
+    from_d = w.h.accept(D, [tok("b", 4), tok("a", 13)], decoders)
+    assert [(o.request_id, o.new_token_ids) for o in from_d] == [("b", [4]), ("b", [12])]
+    # a's decode token came before its KV signal (workers report the KV first; still): it
+    # goes out with the signal, after the first token
+    w.h.on_kv_received("a", 3)
+    assert "a" not in w.h and "b" not in w.h
+    assert [(wid, [o.new_token_ids for o in outs]) for wid, outs in w.delivered] == [(D, [[13]])]
+    assert [o.new_token_ids for o in w.h.accept(D, [tok("a", 14)], decoders)] == [[14]]

@@ -14,6 +14,7 @@ from pdserve.disagg.connector.base import (
     layout_of,
     seal,
 )
+from pdserve.disagg.connector.dual import DualConnector
 from pdserve.disagg.connector.receiver import KVReceiver, ReceivingConnector
 from pdserve.disagg.connector.sender import KVSender, SendingConnector, contiguous_runs
 from pdserve.disagg.connector.shm import map_shm_cache, shm_cache_factory
@@ -22,6 +23,7 @@ from pdserve.types import KVTransportKind, Role
 
 __all__ = [
     "ConnectorReport",
+    "DualConnector",
     "KVConnector",
     "KVReceiver",
     "KVSender",
@@ -44,12 +46,17 @@ def make_connector(
     key: bytes,
     kind: KVTransportKind = KVTransportKind.SHM,
     address: str | None = None,
+    switchable: bool = False,
 ) -> KVConnector:
-    """The connector for a worker of `role` (`address`: where a decode worker binds)."""
-    if role == Role.PREFILL:
+    """The connector for a worker of `role` (`address`: where it takes KV from peers). A
+    `switchable` worker can send and receive whatever its role, so its role can change."""
+    if role == Role.PREFILL and not switchable:
         return SendingConnector(worker_id, key)
-    if role == Role.DECODE:
-        if address is None:
-            raise ValueError("a decode worker needs an address for its KV channel")
-        return ReceivingConnector(worker_id, kind, address, key)
-    return KVConnector()
+    if role == Role.BOTH and not switchable:
+        return KVConnector()
+    if address is None:
+        raise ValueError("a worker that receives KV needs an address for its KV channel")
+    receiver = ReceivingConnector(worker_id, kind, address, key)
+    if not switchable:
+        return receiver
+    return DualConnector(SendingConnector(worker_id, key), receiver)

@@ -1,0 +1,168 @@
+"""Roles of switchable workers at run time: who prefills, who decodes (no torch).
+
+`RoleManager` applies a split `(p, d)` to the live workers: `p` get the prefill role, the rest the
+decode role, or all of them role `both` when `p` is 0. A switch moves no state: the workers run
+`DualConnector`s, so the router simply stops giving a worker work of its old role, and what it
+holds finishes in place (running decodes decode on, queued prefills hand off as before). Which
+workers switch: the ones holding the least of what they stop doing.
+
+`LoadObserver` turns what the frontend sees (worker states, step times, finished requests,
+requests still waiting for their first token) into the `LoadSample`s the P:D controller reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from pdserve.pools.pd_controller import Decision, LoadSample, PDController, PhaseSLO, describe
+from pdserve.types import Role, RoleControl
+
+logger = logging.getLogger("pdserve.pool")
+
+Split = tuple[int, int]
+
+
+class LoadObserver:
+    """A sliding window over the frontend's view of the load."""
+
+    def __init__(self, slo: PhaseSLO, window_s: float = 10.0, clock=time.monotonic) -> None:
+        self.slo = slo
+        self.window_s = window_s
+        self.clock = clock
+        self.decode_steps: dict[int, float] = {}  # worker -> smoothed decode step seconds
+        self.prefill_on_decoders: deque[tuple[float, int]] = deque()  # (time, prompt tokens)
+        self.finished: deque[tuple[float, float | None, float | None]] = deque()
+        self.unstarted: dict[str, float] = {}  # request id -> arrival (no first token yet)
+
+    def on_decode_step(self, worker_id: int, step_s: float) -> None:
+        old = self.decode_steps.get(worker_id)
+        self.decode_steps[worker_id] = step_s if old is None else 0.8 * old + 0.2 * step_s
+
+    def on_prefill_on_decoder(self, num_tokens: int) -> None:
+        """A worker that also decodes computed `num_tokens` prompt tokens in one step."""
+        self.prefill_on_decoders.append((self.clock(), num_tokens))
+
+    def on_arrival(self, request_id: str) -> None:
+        self.unstarted[request_id] = self.clock()
+
+    def on_first_output(self, request_id: str) -> None:
+        self.unstarted.pop(request_id, None)
+
+    def on_finish(self, ttft_s: float | None, tpot_s: float | None) -> None:
+        self.finished.append((self.clock(), ttft_s, tpot_s))
+
+    def sample(self, queued_prefill_tokens: int, kv_usage: float) -> LoadSample:
+        now = self.clock()
+        for window in (self.finished, self.prefill_on_decoders):
+            while window and now - window[0][0] > self.window_s:
+                window.popleft()
+        ttfts = [t for _, t, _ in self.finished if t is not None]
+        tpots = [t for _, _, t in self.finished if t is not None]
+        oldest = min(self.unstarted.values(), default=now)
+        steps = list(self.decode_steps.values())
+        return LoadSample(
+            t=now,
+            queued_prefill_tokens=queued_prefill_tokens,
+            oldest_wait_s=now - oldest,
+            decode_step_s=max(steps) if steps else None,
+            kv_usage=kv_usage,
+            ttft_attainment=_share(ttfts, self.slo.ttft_s),
+            tpot_attainment=_share(tpots, self.slo.tpot_s),
+            prefill_tokens_on_decoders=sum(n for _, n in self.prefill_on_decoders),
+        )
+
+
+def _share(values: list[float], limit: float) -> float | None:
+    return sum(v <= limit for v in values) / len(values) if values else None
+
+
+@dataclass
+class Worker:
+    """What the role manager needs to know of a worker."""
+
+    worker_id: int
+    role: Role
+    alive: bool
+    num_running: int = 0
+    queued_prefill_tokens: int = 0
+
+
+def current_split(workers: list[Worker]) -> Split:
+    live = [w for w in workers if w.alive]
+    p = sum(w.role == Role.PREFILL for w in live)
+    return p, len(live) - p
+
+
+def assign(workers: list[Worker], split: Split) -> dict[int, Role]:
+    """New roles for the live workers so that `split` holds, switching as few as possible and,
+    among candidates, the ones holding the least of what they stop doing."""
+    live = [w for w in workers if w.alive]
+    p, d = split
+    if p + d != len(live):
+        raise ValueError(f"split {describe(split)} does not fit {len(live)} live workers")
+    if p == 0:
+        return {w.worker_id: Role.BOTH for w in live}
+    prefill = [w for w in live if w.role == Role.PREFILL]
+    others = [w for w in live if w.role != Role.PREFILL]
+    if len(prefill) < p:  # take decode work from the least busy decoders
+        others.sort(key=lambda w: (w.num_running, w.worker_id))
+        prefill += others[: p - len(prefill)]
+    elif len(prefill) > p:  # keep the prefill workers with the most queued prompt tokens
+        prefill.sort(key=lambda w: (-w.queued_prefill_tokens, w.worker_id))
+        prefill = prefill[:p]
+    chosen = {w.worker_id for w in prefill}
+    return {w.worker_id: Role.PREFILL if w.worker_id in chosen else Role.DECODE for w in live}
+
+
+class RoleManager:
+    """The deployment's split: applied on request (manual) or by the controller (auto)."""
+
+    def __init__(
+        self, control: RoleControl, controller: PDController | None = None, history: int = 50
+    ) -> None:
+        self.control = control
+        self.controller = controller
+        self.decisions: deque[Decision] = deque(maxlen=history)
+
+    def plan(self, workers: list[Worker], split: Split, reason: str) -> dict[int, Role]:
+        """The role changes that make `split` hold (empty when it already does), logged."""
+        if self.control == RoleControl.STATIC:
+            raise ValueError("the workers' roles are static: start with --pd-ratio manual or auto")
+        old = current_split(workers)
+        roles = assign(workers, split)
+        changes = {wid: r for wid, r in roles.items() if _role_of(workers, wid) != r}
+        if changes:
+            self.decisions.append(Decision(time.monotonic(), old, split, reason))
+            logger.info("deployment %s -> %s: %s", describe(old), describe(split), reason)
+        return changes
+
+    def tick(self, workers: list[Worker], sample: LoadSample) -> dict[int, Role]:
+        """Auto control: feed the controller one sample; the role changes it asks for."""
+        if self.controller is None:
+            return {}
+        self.controller.split = current_split(workers)  # a death or manual switch moved it
+        decision = self.controller.observe(sample)
+        if decision is None:
+            return {}
+        return self.plan(workers, decision.new, decision.reason)
+
+    def report(self, workers: list[Worker]) -> dict:
+        """What GET /deployment shows."""
+        return {
+            "control": str(self.control),
+            "split": describe(current_split(workers)),
+            "workers": [
+                {"id": w.worker_id, "role": str(w.role), "alive": w.alive} for w in workers
+            ],
+            "decisions": [
+                {"old": describe(d.old), "new": describe(d.new), "reason": d.reason}
+                for d in self.decisions
+            ],
+        }
+
+
+def _role_of(workers: list[Worker], worker_id: int) -> Role:
+    return next(w.role for w in workers if w.worker_id == worker_id)

@@ -1,0 +1,128 @@
+"""Workers that switch role at run time (`--pd-ratio manual|auto`): under load, no request fails
+or changes its output, and every KV block comes back on every worker."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from server_harness import start_server, wait_until
+from test_disagg import PROMPTS, STORY, expected
+
+from pdserve import LLM
+
+CMPL = "/v1/completions"
+pytestmark = pytest.mark.slow  # each test starts servers of its own
+
+
+@pytest.fixture(scope="module")
+def offline(stories_path):
+    return LLM(stories_path)
+
+
+def run_batch(server, prompts, results, max_tokens=48):
+    """Send `prompts` concurrently; (prompt, status, text) land in `results`."""
+
+    def one(prompt):
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        r = httpx.post(server.url + CMPL, json=body, timeout=120)
+        text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+        results.append((prompt, r.status_code, text))
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def deployment(server) -> dict:
+    return httpx.get(server.url + "/deployment", timeout=10).json()
+
+
+def switch(server, prefill_workers):
+    return httpx.post(
+        server.url + "/deployment", json={"prefill_workers": prefill_workers}, timeout=10
+    )
+
+
+def test_manual_switches_under_load_lose_nothing(stories_path, offline):
+    s = start_server(stories_path, "--decode-workers", "2", "--pd-ratio", "manual")
+    try:
+        d = deployment(s)
+        assert (d["control"], d["split"]) == ("manual", "2 colocated")
+        results: list = []
+        prompts = [STORY, *PROMPTS[1:], STORY[:150]] * 2
+        threads = run_batch(s, prompts, results)
+        wait_until(lambda: s.metric("pdserve_num_requests_running") > 0, "requests running")
+        r = switch(s, 1)  # mid-flight: running decodes finish where they are
+        assert r.status_code == 200 and r.json()["split"] == "1P+1D", r.text
+        threads += run_batch(s, prompts, results)  # these go through the handoff
+        for t in threads[: len(prompts)]:
+            t.join()
+        wait_until(lambda: s.metric("pdserve_num_requests_running") > 0, "second batch running")
+        assert switch(s, 0).json()["split"] == "2 colocated"  # and back, mid-flight again
+        threads += run_batch(s, prompts, results)
+        for t in threads:
+            t.join()
+        assert len(results) == 3 * len(prompts)
+        for prompt, status, text in results:
+            assert status == 200, text
+            assert text == expected(offline, prompt, max_tokens=48)[0]
+        assert s.metric("pdserve_router_decisions_total", 'decision="remote"') > 0
+        assert s.metric("pdserve_kv_transfer_bytes_total") > 0
+        assert s.metric("pdserve_role_switches_total") == 4  # 2 workers each way
+        assert s.metric("pdserve_workers", 'role="both"') == 2
+        assert [x["reason"] for x in deployment(s)["decisions"]] == ["operator request"] * 2
+        s.wait_idle()  # no request left and every block back on both workers
+        assert s.metric("pdserve_kv_transfer_fallbacks_total") == 0
+    finally:
+        s.stop()
+
+
+def test_bad_switches_are_refused(stories_path):
+    s = start_server(stories_path, "--decode-workers", "2", "--pd-ratio", "manual")
+    try:
+        for body in ({"prefill_workers": 2}, {"prefill_workers": -1}, {"prefill_workers": "1"},
+                     {"prefill_workers": True}, {}, [1]):  # fmt: skip
+            r = httpx.post(s.url + "/deployment", json=body, timeout=10)
+            assert r.status_code == 400, (body, r.text)
+            assert r.json()["error"]["param"] == "prefill_workers"
+        assert deployment(s)["split"] == "2 colocated"
+    finally:
+        s.stop()
+    static = start_server(stories_path)
+    try:
+        r = switch(static, 0)
+        assert r.status_code == 400 and "static" in r.json()["error"]["message"]
+        assert deployment(static)["control"] == "static"
+    finally:
+        static.stop()
+
+
+def test_auto_control_switches_from_the_load_and_serves_on(stories_path, offline):
+    """A TPOT target no step can meet makes the controller split the colocated workers as soon
+    as prompts queue behind decodes, and then (decode still short of its target while prefill
+    has headroom) go back: the switches follow the load, dwell time apart, and nothing fails."""
+    s = start_server(
+        stories_path, "--decode-workers", "2", "--pd-ratio", "auto",
+        "--slo-tpot-ms", "0.001", "--pd-min-dwell-s", "1",
+        "--max-num-batched-tokens", "16",
+    )  # fmt: skip
+    try:
+        results: list = []
+        for _ in range(30):  # rounds of load until the controller acts (it samples every second)
+            for t in run_batch(s, [STORY] * 6, results, max_tokens=96):
+                t.join()
+            if len(deployment(s)["decisions"]) >= 2:
+                break
+        decisions = deployment(s)["decisions"]
+        assert len(decisions) >= 2, decisions
+        assert "prefills stall colocated decodes" in decisions[0]["reason"]
+        assert (decisions[0]["new"], decisions[1]["new"]) == ("1P+1D", "2 colocated")
+        assert s.metric("pdserve_role_switches_total") >= 4
+        want = expected(offline, STORY, max_tokens=96)[0]
+        assert all(status == 200 and text == want for _, status, text in results)
+        s.wait_idle()
+    finally:
+        s.stop()

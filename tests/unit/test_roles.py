@@ -1,0 +1,85 @@
+"""Role assignment for switchable workers and the load the P:D controller reads (no torch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.pools.pd_controller import PDController, PhaseSLO
+from pdserve.pools.roles import LoadObserver, RoleManager, Worker, assign, current_split
+from pdserve.types import Role, RoleControl
+
+B, P, D = Role.BOTH, Role.PREFILL, Role.DECODE
+
+
+def workers(*roles, running=(), queued=(), dead=()):
+    return [
+        Worker(i, r, i not in dead, dict(running).get(i, 0), dict(queued).get(i, 0))
+        for i, r in enumerate(roles)
+    ]
+
+
+def test_split_of_live_workers():
+    assert current_split(workers(B, B)) == (0, 2)
+    assert current_split(workers(P, D, D, dead=[2])) == (1, 1)
+
+
+def test_splitting_colocated_workers_takes_the_least_busy_as_prefill():
+    ws = workers(B, B, B, running=[(0, 5), (1, 1), (2, 3)])
+    assert assign(ws, (1, 2)) == {0: D, 1: P, 2: D}
+    assert assign(ws, (0, 3)) == {0: B, 1: B, 2: B}
+
+
+def test_fewer_prefill_workers_keep_the_busiest_prefill_worker():
+    ws = workers(P, P, D, queued=[(0, 10), (1, 900)])
+    assert assign(ws, (1, 2)) == {0: D, 1: P, 2: D}
+
+
+def test_dead_workers_are_left_out_and_the_split_must_fit():
+    ws = workers(P, D, D, dead=[1])
+    assert assign(ws, (1, 1)) == {0: P, 2: D}
+    with pytest.raises(ValueError, match="does not fit 2 live workers"):
+        assign(ws, (1, 2))
+
+
+def test_manager_reports_changes_only_and_logs_decisions():
+    m = RoleManager(RoleControl.MANUAL)
+    ws = workers(B, B)
+    assert m.plan(ws, (1, 1), "operator") == {0: P, 1: D}
+    ws = workers(P, D)
+    assert m.plan(ws, (1, 1), "again") == {}
+    report = m.report(ws)
+    assert report["split"] == "1P+1D" and report["control"] == "manual"
+    assert [d["reason"] for d in report["decisions"]] == ["operator"]
+    with pytest.raises(ValueError, match="static"):
+        RoleManager(RoleControl.STATIC).plan(ws, (0, 2), "x")
+
+
+def test_observer_windows_attainment_and_oldest_wait():
+    now = [100.0]
+    obs = LoadObserver(PhaseSLO(ttft_s=1.0, tpot_s=0.1), window_s=10, clock=lambda: now[0])
+    obs.on_arrival("a")
+    obs.on_finish(0.5, 0.05)
+    obs.on_finish(2.0, 0.2)
+    obs.on_decode_step(0, 0.04)
+    obs.on_decode_step(0, 0.09)
+    now[0] = 103.0
+    s = obs.sample(queued_prefill_tokens=50, kv_usage=0.3)
+    assert s.oldest_wait_s == pytest.approx(3.0)
+    assert (s.ttft_attainment, s.tpot_attainment) == (0.5, 0.5)
+    assert s.decode_step_s == pytest.approx(0.8 * 0.04 + 0.2 * 0.09)
+    obs.on_first_output("a")
+    now[0] = 120.0
+    s = obs.sample(0, 0.0)
+    assert s.oldest_wait_s == 0 and s.ttft_attainment is None  # the window moved on
+
+
+def test_auto_tick_follows_the_controller():
+    slo = PhaseSLO(ttft_s=2.0, tpot_s=0.1)
+    m = RoleManager(RoleControl.AUTO, PDController(2, slo, patience=1, min_dwell_s=0))
+    obs = LoadObserver(slo)
+    for _ in range(3):
+        obs.on_finish(0.1, 0.5)  # decodes far over the TPOT target
+    obs.on_arrival("waiting")
+    changes = m.tick(workers(B, B, running=[(0, 4)]), obs.sample(800, 0.2))
+    assert changes == {0: D, 1: P}
+    assert "stall" in m.decisions[-1].reason
