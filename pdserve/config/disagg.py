@@ -20,7 +20,14 @@ from pdserve.config.settings import (
     require,
     setting,
 )
+from pdserve.pools.pd_controller import PhaseSLO
 from pdserve.types import KVTransportKind, PrefillFailurePolicy, Role, RoleControl
+
+
+def _slo(text: str) -> str:
+    PhaseSLO.parse(text)  # a clear error now rather than at startup
+    return text
+
 
 DISAGG_GROUP = "disaggregation (prefill and decode worker pools)"
 
@@ -85,11 +92,10 @@ class DisaggConfig:
         "POST /deployment; auto: the P:D controller switches roles from the measured load "
         "(the starting split is --prefill-workers:--decode-workers)",
     )
-    slo_ttft_ms: float = setting(
-        2000.0, help="time-to-first-token target the P:D controller steers by", checks=(POSITIVE,)
-    )
-    slo_tpot_ms: float = setting(
-        150.0, help="time-per-output-token target the P:D controller steers by", checks=(POSITIVE,)
+    slo: str = setting(
+        "ttft_ms=2000,tpot_ms=150",
+        parse=_slo,
+        help="latency targets the P:D controller steers by",
     )
     pd_min_dwell_s: float = setting(
         30.0,

@@ -94,7 +94,7 @@ class EngineClient:
         self.roles: RoleManager | None = None  # switchable workers (--pd-ratio manual/auto)
         self.load: LoadObserver | None = None
         if disagg.switchable:
-            slo = PhaseSLO(disagg.slo_ttft_ms / 1e3, disagg.slo_tpot_ms / 1e3)
+            slo = PhaseSLO.parse(disagg.slo)
             controller = None
             if disagg.pd_ratio == RoleControl.AUTO:
                 start = (disagg.num_prefill_workers, disagg.num_decode_workers)

@@ -27,6 +27,7 @@ within `min_dwell_s`: together these keep an oscillating load from flapping the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 Split = tuple[int, int]  # (prefill workers, decode workers); (0, n): n colocated workers
@@ -40,6 +41,23 @@ KV_FULL = 0.9  # decode KV usage above this asks for more decode capacity
 class PhaseSLO:
     ttft_s: float
     tpot_s: float
+
+    @classmethod
+    def parse(cls, text: str) -> PhaseSLO:
+        """`"ttft_ms=2000,tpot_ms=150"` (the `--slo` format of `serve` and `bench`)."""
+        targets = {}
+        for item in text.split(","):
+            key, _, value = item.strip().partition("=")
+            try:
+                ms = float(value)
+            except ValueError:
+                ms = math.nan
+            if key not in ("ttft_ms", "tpot_ms") or not (ms > 0 and math.isfinite(ms)):
+                raise ValueError(f"--slo item {item.strip()!r}: expected ttft_ms=MS or tpot_ms=MS")
+            targets[key] = ms / 1e3
+        if set(targets) != {"ttft_ms", "tpot_ms"}:
+            raise ValueError(f"--slo {text!r}: needs both ttft_ms and tpot_ms")
+        return cls(targets["ttft_ms"], targets["tpot_ms"])
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,7 @@ def test_auto_control_switches_from_the_load_and_serves_on(stories_path, offline
     has headroom) go back: the switches follow the load, dwell time apart, and nothing fails."""
     s = start_server(
         stories_path, "--decode-workers", "2", "--pd-ratio", "auto",
-        "--slo-tpot-ms", "0.001", "--pd-min-dwell-s", "1",
+        "--slo", "ttft_ms=2000,tpot_ms=0.001", "--pd-min-dwell-s", "1",
         "--max-num-batched-tokens", "16",
     )  # fmt: skip
     try:

@@ -83,8 +83,7 @@ SAMPLES = {
         decode_cpus=("2-3",),
         restart_workers=True,
         pd_ratio=RoleControl.AUTO,
-        slo_ttft_ms=1500.0,
-        slo_tpot_ms=80.0,
+        slo="ttft_ms=1500,tpot_ms=80",
         pd_min_dwell_s=12.0,
     ),
 }

@@ -113,3 +113,10 @@ def test_bad_configurations_are_refused():
         PDController(2, SLO, start=(2, 0))
     with pytest.raises(ValueError, match="start split"):
         PDController(2, SLO, start=(1, 2))
+
+
+def test_slo_text_parses_like_the_bench_flag():
+    assert PhaseSLO.parse("ttft_ms=1500, tpot_ms=80") == PhaseSLO(1.5, 0.08)
+    for bad in ("ttft_ms=1500", "ttft_ms=0,tpot_ms=1", "e2e_ms=1,tpot_ms=1", "ttft_ms=x,tpot_ms=1"):
+        with pytest.raises(ValueError, match="--slo"):
+            PhaseSLO.parse(bad)
