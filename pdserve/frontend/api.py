@@ -190,7 +190,7 @@ def build_app(
     @app.get("/deployment")
     async def deployment():
         """Workers, their roles, and the last role switches with their reasons."""
-        return state.client.deployment()
+        return state.client.deployment.report()
 
     @app.post("/deployment")
     async def set_deployment(request: Request):
@@ -207,7 +207,7 @@ def build_app(
                 param="prefill_workers",
             ) from None
         try:
-            return state.client.set_split(p)
+            return state.client.deployment.set_split(p)
         except ValueError as e:
             raise APIError(400, str(e), param="prefill_workers") from None
 

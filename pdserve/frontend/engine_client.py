@@ -22,16 +22,13 @@ from dataclasses import dataclass, field
 from pdserve.config import DisaggConfig
 from pdserve.disagg.handoff import HandoffCoordinator
 from pdserve.disagg.router import Router
+from pdserve.frontend.deployment import Deployment
 from pdserve.frontend.output_processor import OutputProcessor
 from pdserve.ipc.messages import AddRequest, FinishRequests, StepOutputs, WorkerError, WorkerInfo
-from pdserve.pools.pd_controller import PDController, PhaseSLO
-from pdserve.pools.roles import LoadObserver, RoleManager
-from pdserve.pools.roles import Worker as RoleWorker
 from pdserve.pools.worker_pool import WorkerHandle, WorkerPool, WorkerSpec
 from pdserve.types import (
     EngineCoreOutput,
     RequestOutput,
-    RoleControl,
     SamplingParams,
 )
 
@@ -91,18 +88,7 @@ class EngineClient:
         self.placement: dict[str, int] = {}  # core id -> decode (or colocated) worker
         self.router: Router | None = None
         self._tasks: list[asyncio.Task] = []
-        self.roles: RoleManager | None = None  # switchable workers (--pd-ratio manual/auto)
-        self.load: LoadObserver | None = None
-        if disagg.switchable:
-            slo = PhaseSLO.parse(disagg.slo)
-            controller = None
-            if disagg.pd_ratio == RoleControl.AUTO:
-                start = (disagg.num_prefill_workers, disagg.num_decode_workers)
-                controller = PDController(
-                    disagg.num_workers, slo, start=start, min_dwell_s=disagg.pd_min_dwell_s
-                )
-            self.roles = RoleManager(disagg.pd_ratio, controller)
-            self.load = LoadObserver(slo)
+        self.deployment = Deployment(disagg, self.pool, metrics)  # who does what, and switches
 
     # ---- lifecycle -------------------------------------------------------------------------
     def spawn(self) -> None:
@@ -133,8 +119,9 @@ class EngineClient:
             asyncio.create_task(self._output_loop(), name="pdserve-outputs"),
             asyncio.create_task(self._watch_loop(), name="pdserve-watch"),
         ]
-        if self.roles is not None and self.roles.controller is not None:
-            self._tasks.append(asyncio.create_task(self._control_loop(), name="pdserve-pd"))
+        self.deployment.router = self.router
+        if self.deployment.automatic:
+            self._tasks.append(asyncio.create_task(self.deployment.control_loop(), name="pd"))
         if self.metrics is not None:
             self.metrics.set_roles(self.pool.live())
 
@@ -197,12 +184,7 @@ class EngineClient:
             )
         if self.metrics is not None:
             self.metrics.on_step(worker, msg)
-        if self.load is not None:
-            for st in msg.steps:
-                if st.num_decode_seqs:
-                    self.load.on_decode_step(worker.worker_id, st.step_time_s)
-                if st.num_prefill_tokens and worker.role.decodes:
-                    self.load.on_prefill_on_decoder(st.num_prefill_tokens)
+        self.deployment.on_step(worker, msg)
         for r in msg.reservations:
             self.handoffs.on_reservation(
                 worker.worker_id, r.request_id, r.block_ids, r.num_cached_tokens
@@ -221,10 +203,7 @@ class EngineClient:
                 stream.queue.put_nowait(out)
             if out.finished and self.metrics is not None:
                 self.metrics.on_finish(worker, out)
-            if self.load is not None:
-                self.load.on_first_output(out.request_id)
-                if out.finished and out.metrics is not None:
-                    self.load.on_finish(out.metrics.ttft, out.metrics.tpot)
+            self.deployment.on_output(out)
 
     async def _watch_loop(self) -> None:
         while True:
@@ -307,8 +286,7 @@ class EngineClient:
             request_id, prompt, prompt_token_ids, params, arrival_time
         )
         stream = self.streams[request_id] = _Stream()
-        if self.load is not None:
-            self.load.on_arrival(request_id)
+        self.deployment.on_arrival(request_id)
         finished = False
         try:
             for core_id, child_params in children:
@@ -328,8 +306,7 @@ class EngineClient:
                     return
         finally:
             self.streams.pop(request_id, None)
-            if self.load is not None:
-                self.load.on_first_output(request_id)
+            self.deployment.on_gone(request_id)
             if not finished:
                 self.abort(request_id)
             for core_id, _ in children:
@@ -347,57 +324,3 @@ class EngineClient:
         wid = self.placement.pop(core_id, None)
         if not self.handoffs.finish(core_id, reason) and wid is not None:
             self.pool.send(wid, FinishRequests([core_id], reason))
-
-    # ---- roles ---------------------------------------------------------------------------
-    def _role_view(self) -> list[RoleWorker]:
-        return [
-            RoleWorker(
-                w.worker_id,
-                w.role,
-                w.alive,
-                w.state.num_running if w.state else 0,
-                w.state.queued_prefill_tokens if w.state else 0,
-            )
-            for w in self.pool.workers
-        ]
-
-    def deployment(self) -> dict:
-        if self.roles is None:
-            workers = [
-                {"id": w.worker_id, "role": str(w.role), "alive": w.alive} for w in self.workers
-            ]
-            return {"control": str(RoleControl.STATIC), "workers": workers}
-        return self.roles.report(self._role_view())
-
-    def set_split(self, num_prefill: int, reason: str = "operator request") -> dict:
-        """Give `num_prefill` live workers the prefill role and the rest the decode role (or
-        all of them role both for 0). Raises ValueError when the roles are static or the split
-        does not fit the live workers."""
-        if self.roles is None:
-            raise ValueError("the workers' roles are static: start with --pd-ratio manual or auto")
-        live = len(self.pool.live())
-        if not 0 <= num_prefill < live:
-            raise ValueError(
-                f"invalid prefill_workers={num_prefill}: {live} live workers, and one must decode"
-            )
-        self._apply(self.roles.plan(self._role_view(), (num_prefill, live - num_prefill), reason))
-        return self.deployment()
-
-    def _apply(self, changes: dict) -> None:
-        for wid, role in changes.items():
-            w = self.pool.workers[wid]
-            if self.metrics is not None:
-                self.metrics.role_switches.labels(str(w.role), str(role)).inc()
-                self.metrics.forget_role(wid, w.role)
-            w.role = role
-            self.router.set_role(wid, role)
-        if changes and self.metrics is not None:
-            self.metrics.set_roles(self.pool.live())
-
-    async def _control_loop(self, interval_s: float = 1.0) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            live = [w for w in self.pool.live() if w.state is not None]
-            queued = sum(w.state.queued_prefill_tokens for w in live)
-            kv = max((w.state.kv_usage for w in live if w.role.decodes), default=0.0)
-            self._apply(self.roles.tick(self._role_view(), self.load.sample(queued, kv)))

@@ -1,0 +1,129 @@
+"""The deployment as the frontend sees and changes it: which worker has which role.
+
+Static (`--pd-ratio static`): roles are fixed at startup and `report` only describes them. With
+`manual` or `auto` the workers are switchable: `set_split` (POST /deployment) or the P:D
+controller (`control_loop`, every second) give them new roles through the router. The client
+feeds `on_step`, `on_arrival`, `on_output` and `on_gone`, from which `LoadObserver` builds the
+samples the controller reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pdserve.config import DisaggConfig
+from pdserve.ipc.messages import StepOutputs
+from pdserve.pools.pd_controller import PDController, PhaseSLO
+from pdserve.pools.roles import LoadObserver, RoleManager
+from pdserve.pools.roles import Worker as RoleWorker
+from pdserve.pools.worker_pool import WorkerHandle, WorkerPool
+from pdserve.types import RequestOutput, RoleControl
+
+logger = logging.getLogger("pdserve.frontend")
+
+
+class Deployment:
+    def __init__(self, disagg: DisaggConfig, pool: WorkerPool, metrics=None) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self.router = None  # set once the client has built it
+        self.roles: RoleManager | None = None  # switchable workers only
+        self.load: LoadObserver | None = None
+        if disagg.switchable:
+            slo = PhaseSLO.parse(disagg.slo)
+            controller = None
+            if disagg.pd_ratio == RoleControl.AUTO:
+                start = (disagg.num_prefill_workers, disagg.num_decode_workers)
+                controller = PDController(
+                    disagg.num_workers, slo, start=start, min_dwell_s=disagg.pd_min_dwell_s
+                )
+            self.roles = RoleManager(disagg.pd_ratio, controller)
+            self.load = LoadObserver(slo)
+
+    @property
+    def automatic(self) -> bool:
+        return self.roles is not None and self.roles.controller is not None
+
+    # ---- what the client sees ------------------------------------------------------------
+    def on_step(self, worker: WorkerHandle, msg: StepOutputs) -> None:
+        if self.load is None:
+            return
+        for st in msg.steps:
+            if st.num_decode_seqs:
+                self.load.on_decode_step(worker.worker_id, st.step_time_s)
+            if st.num_prefill_tokens and worker.role.decodes:
+                self.load.on_prefill_on_decoder(st.num_prefill_tokens)
+
+    def on_arrival(self, request_id: str) -> None:
+        if self.load is not None:
+            self.load.on_arrival(request_id)
+
+    def on_output(self, out: RequestOutput) -> None:
+        if self.load is not None:
+            self.load.on_first_output(out.request_id)
+            if out.finished and out.metrics is not None:
+                self.load.on_finish(out.metrics.ttft, out.metrics.tpot)
+
+    def on_gone(self, request_id: str) -> None:
+        if self.load is not None:
+            self.load.on_first_output(request_id)
+
+    # ---- roles -----------------------------------------------------------------------------
+    def _view(self) -> list[RoleWorker]:
+        return [
+            RoleWorker(
+                w.worker_id,
+                w.role,
+                w.alive,
+                w.state.num_running if w.state else 0,
+                w.state.queued_prefill_tokens if w.state else 0,
+            )
+            for w in self.pool.workers
+        ]
+
+    def report(self) -> dict:
+        """What GET /deployment shows."""
+        if self.roles is None:
+            workers = [
+                {"id": w.worker_id, "role": str(w.role), "alive": w.alive}
+                for w in self.pool.workers
+            ]
+            return {"control": str(RoleControl.STATIC), "workers": workers}
+        return self.roles.report(self._view())
+
+    def set_split(self, num_prefill: int, reason: str = "operator request") -> dict:
+        """Give `num_prefill` live workers the prefill role and the rest the decode role (or
+        all of them role both for 0). Raises ValueError when the roles are static or the split
+        does not fit the live workers."""
+        if self.roles is None:
+            raise ValueError("the workers' roles are static: start with --pd-ratio manual or auto")
+        live = len(self.pool.live())
+        if not 0 <= num_prefill < live:
+            raise ValueError(
+                f"invalid prefill_workers={num_prefill}: {live} live workers, and one must decode"
+            )
+        self._apply(self.roles.plan(self._view(), (num_prefill, live - num_prefill), reason))
+        return self.report()
+
+    def _apply(self, changes: dict) -> None:
+        for wid, role in changes.items():
+            w = self.pool.workers[wid]
+            if self.metrics is not None:
+                self.metrics.role_switches.labels(str(w.role), str(role)).inc()
+                self.metrics.forget_role(wid, w.role)
+            w.role = role
+            self.router.set_role(wid, role)
+        if changes and self.metrics is not None:
+            self.metrics.set_roles(self.pool.live())
+
+    async def control_loop(self, interval_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            live = [w for w in self.pool.live() if w.state is not None]
+            queued = sum(w.state.queued_prefill_tokens for w in live)
+            kv = max((w.state.kv_usage for w in live if w.role.decodes), default=0.0)
+            try:
+                self._apply(self.roles.tick(self._view(), self.load.sample(queued, kv)))
+            except ValueError as e:  # e.g. a worker died since the sample: try again next time
+                logger.warning("P:D controller: %s", e)
