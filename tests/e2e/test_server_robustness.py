@@ -231,6 +231,7 @@ def test_overload_and_queue_timeout_503(stories_path):
         s.stop()
 
 
+@pytest.mark.slow  # a server of its own
 def test_a_request_the_worker_refuses_is_a_400_naming_the_reason(stories_path):
     """The frontend cannot know every engine limit (here the KV cache holds 64 tokens, less
     than the context): the worker's refusal reaches the client as a 400, not a 503."""
