@@ -93,7 +93,6 @@ class ConnectorReport:
 class KVConnector:
     """The colocated worker's connector: no KV crosses workers."""
 
-    layout: KVLayout | None = None
     exposed_s = 0.0  # cumulative time the step loop waited for transfers
 
     def kv_cache_factory(self) -> CacheFactory | None:

@@ -31,7 +31,6 @@ class DualConnector(KVConnector):
     def attach(self, core) -> None:
         self.sender.attach(core)
         self.receiver.attach(core)
-        self.layout = self.receiver.layout
 
     def endpoint(self) -> PeerEndpoint:
         return self.receiver.endpoint()

@@ -191,7 +191,6 @@ class ReceivingConnector(KVConnector):
         return transport_for(self.kind).cache_factory(self.shm_paths)
 
     def attach(self, core) -> None:
-        self.layout = layout_of(core)
         self.vocab_size = core.model_config.vocab_size
         self.receiver = KVReceiver(
             self.worker_id,
@@ -199,7 +198,7 @@ class ReceivingConnector(KVConnector):
             self.kind,
             self.address,
             self.shm_paths[0] if self.shm_paths else None,
-            self.layout,
+            layout_of(core),
             reservation=core.scheduler.remote.block_ids,
             key=self.key,
             max_tokens=core.max_model_len,

@@ -17,6 +17,7 @@ import queue
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,18 +70,15 @@ class _Peer:
     endpoint: PeerEndpoint
     sock: zmq.Socket
     writer: PeerWriter
+    seal: Callable[..., bytes]  # the sender's: tag and sequence number
 
-    def sender(self, kv: KVSender):
-        """send(msg, slots=None, rows=None): one sealed message on this peer's ordered channel."""
-
-        def send(msg, slots: np.ndarray | None = None, rows: np.ndarray | None = None) -> None:
-            if slots is None:
-                self.sock.send(kv._seal(msg))
-            else:
-                header = kv._seal(msg, slots.tobytes(), rows.nbytes)
-                self.sock.send_multipart([header, slots, rows], copy=False)
-
-        return send
+    def send(self, msg, slots: np.ndarray | None = None, rows: np.ndarray | None = None) -> None:
+        """One sealed message on this peer's ordered channel (with a layer's slots and rows)."""
+        if slots is None:
+            self.sock.send(self.seal(msg))
+        else:
+            header = self.seal(msg, slots.tobytes(), rows.nbytes)
+            self.sock.send_multipart([header, slots, rows], copy=False)
 
 
 class KVSender:
@@ -131,7 +129,7 @@ class KVSender:
         sock.setsockopt(zmq.LINGER, 2000)
         sock.connect(endpoint.kv_address)
         writer = transport_for(endpoint.transport).open_peer(endpoint, self.own)
-        self.peers[endpoint.worker_id] = _Peer(endpoint, sock, writer)
+        self.peers[endpoint.worker_id] = _Peer(endpoint, sock, writer, self._seal)
 
     # -- requests --
     def add_request(self, request_id: str, dest: KVDest) -> None:
@@ -218,13 +216,13 @@ class KVSender:
                     peer = self.peers.get(job.peer_id)
                     if peer is not None:
                         t0 = time.perf_counter()
-                        peer.writer.write_layer(job, layer, self.own[layer], peer.sender(self))
+                        peer.writer.write_layer(job, layer, self.own[layer], peer.send)
                         job.transfer.busy_s += time.perf_counter() - t0
                 elif kind == "ctl":
                     _, peer_id, msg = item
                     peer = self.peers.get(peer_id)
                     if peer is not None:
-                        peer.sender(self)(msg)
+                        peer.send(msg)
                 elif kind == "peer":
                     self._connect(item[1])
             except Exception as e:  # reported to the step loop at its next flush
@@ -244,9 +242,8 @@ class SendingConnector(KVConnector):
 
     def attach(self, core) -> None:
         runner = core.runner
-        self.layout = layout_of(core)
         self.sender = KVSender(
-            self.worker_id, runner.kv_caches, runner.block_size, self.layout, self.key
+            self.worker_id, runner.kv_caches, runner.block_size, layout_of(core), self.key
         )
         runner.add_layer_hook(self.sender.on_layer)
 
