@@ -1,7 +1,10 @@
 """`pdserve` command line: one subcommand per module in `pdserve/commands/`.
 
 Each command module exposes `HELP` (one line), `add_arguments(parser)` and `run(args) -> int`;
-modules are imported only when their command runs, so `pdserve --help` stays fast.
+modules are imported only when their command runs, so `pdserve --help` stays fast. A module may
+also expose `profile_defaults(args) -> dict`: defaults that depend on a flag (`serve --profile`),
+applied by parsing a second time with them as the command's defaults, so that any flag given
+still overrides them.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ HELP = {
 }
 
 
-def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+def build_parser(argv: list[str], defaults: dict | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="pdserve: an LLM engine built around prefill and decode."
     )
@@ -37,13 +40,28 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         # Only the chosen command's module is imported (torch is slow to import).
         if name in argv:
             importlib.import_module(COMMANDS[name]).add_arguments(p)
+            if defaults:
+                p.set_defaults(**defaults)
     return parser
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser and the parsed flags, with the command's flag-dependent defaults applied."""
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if args.command is not None:
+        module = importlib.import_module(COMMANDS[args.command])
+        hook = getattr(module, "profile_defaults", None)
+        defaults = hook(args) if hook is not None else {}
+        if defaults:
+            parser = build_parser(argv, defaults)
+            args = parser.parse_args(argv)
+    return parser, args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    parser, args = parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2

@@ -38,6 +38,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     # Structured output: an llguidance grammar the output must match (`pdserve.structured`).
     grammar: str | None = None
+    # Scheduling, not sampling, but carried with the request to every worker it meets:
+    priority: int = 0  # lower is admitted first (see pdserve.sched.scheduler)
+    deadline_s: float | None = None  # the first token is wanted within this time of arrival
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -112,6 +115,19 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 value,
                 f"must be in [0, {MAX_LOGPROBS}]",
             )
+        _check(
+            isinstance(self.priority, int) and -(2**31) <= self.priority < 2**31,
+            "priority",
+            self.priority,
+            "must be a 32-bit integer",
+        )
+        _check(
+            self.deadline_s is None
+            or (isinstance(self.deadline_s, (int, float)) and 0 < self.deadline_s < math.inf),
+            "deadline_s",
+            self.deadline_s,
+            "must be a finite number of seconds > 0",
+        )
 
     @property
     def greedy(self) -> bool:

@@ -60,7 +60,9 @@ def _argument(opt: Option) -> dict[str, Any]:
     if opt.kind is bool:
         if opt.default is True and not opt.flag.startswith("--no-"):
             raise TypeError(f"setting {opt.name} is on by default: its flag must be --no-...")
-        kw["action"] = "store_false" if opt.default else "store_true"
+        # off by default: --FLAG and --no-FLAG (a profile may turn it on, a flag off again)
+        kw["action"] = "store_false" if opt.default else argparse.BooleanOptionalAction
+        kw["default"] = opt.default
         return kw
     if opt.default is MISSING:
         kw["required"] = True

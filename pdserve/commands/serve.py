@@ -10,6 +10,7 @@ from pdserve.commands.engine_args import add_engine_arguments, engine_args_from
 from pdserve.commands.flags import Groups, add_flags, add_pool_flags, from_args, pool_overrides
 from pdserve.config.disagg import DISAGG_GROUP, DisaggConfig
 from pdserve.config.engine import EngineArgs
+from pdserve.config.profiles import PROFILES
 from pdserve.config.server import LIMITS_GROUP, RequestLimits, ServerConfig
 
 HELP = "serve a model over an OpenAI-compatible HTTP API"
@@ -31,6 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_flags(p, DisaggConfig, DISAGG_GROUP, groups)
     add_pool_flags(d, EngineArgs)
+
+
+def profile_defaults(args: argparse.Namespace) -> dict:
+    """`--profile NAME`: its settings become the defaults (`pdserve.config.profiles`)."""
+    return dict(PROFILES[args.profile]) if args.profile else {}
 
 
 def disagg_config_from(args: argparse.Namespace) -> DisaggConfig:

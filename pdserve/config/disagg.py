@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pdserve.config.engine import EngineArgs
+from pdserve.config.server import ADMISSION_GROUP
 from pdserve.config.settings import (
     POSITIVE,
     at_least,
@@ -95,7 +96,9 @@ class DisaggConfig:
     slo: str = setting(
         "ttft_ms=2000,tpot_ms=150",
         parse=_slo,
-        help="latency targets the P:D controller steers by",
+        group=ADMISSION_GROUP,
+        help="latency targets: the P:D controller steers by them, --slo-admission admits by "
+        "the TTFT one, and pdserve_slo_attainment_ratio reports against both",
     )
     pd_min_dwell_s: float = setting(
         30.0,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from pdserve.config.settings import (
+    POSITIVE,
     POWER_OF_TWO,
     Check,
     at_least,
@@ -55,6 +56,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     long_prefill_token_threshold: int  # 0: a prefill chunk may take the whole budget
     max_model_len: int  # the model's context, or the user's cap
+    prefill_first: bool  # a new prompt's chunk before the chunks of prompts in prefill
+    reserved_kv_fraction: float  # of the KV blocks, kept free for the running requests
+    priority_aging_s: float  # a waiting request gains one priority level per this wait
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,28 @@ class EngineArgs:
         help="largest prefill chunk of one request per step (0: the whole budget)",
         checks=(at_least(0),),
     )
+    prefill_first: bool = setting(
+        False,
+        group=SCHEDULER_GROUP,
+        help="schedule a new prompt's chunk before the chunks of prompts already in prefill "
+        "(every running decode still gets its token each step)",
+    )
+    reserved_kv_fraction: float = setting(
+        0.0,
+        group=SCHEDULER_GROUP,
+        metavar="FRACTION",
+        help="admit new requests only while this share of the KV blocks stays free for the "
+        "running ones",
+        checks=(Check(lambda v: 0 <= v <= 0.5, "must be in [0, 0.5]"),),
+    )
+    priority_aging_s: float = setting(
+        10.0,
+        group=SCHEDULER_GROUP,
+        metavar="SECONDS",
+        help="a waiting request gains one priority level per this many seconds waited (lower "
+        "`priority` values are admitted first; aging keeps low priorities from starving)",
+        checks=(POSITIVE,),
+    )
     num_threads: int | None = setting(
         None,
         help="torch CPU threads (default: one per allowed CPU that other processes leave free, "
@@ -164,4 +190,7 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_model_len=max_model_len,
+            prefill_first=self.prefill_first,
+            reserved_kv_fraction=self.reserved_kv_fraction,
+            priority_aging_s=self.priority_aging_s,
         )

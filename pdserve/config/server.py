@@ -11,6 +11,7 @@ from typing import Any
 
 from pdserve.config.settings import (
     POSITIVE,
+    Check,
     at_least,
     check_settings,
     format_size,
@@ -20,6 +21,7 @@ from pdserve.config.settings import (
     setting,
 )
 
+ADMISSION_GROUP = "SLOs and admission (see docs/ARCHITECTURE.md)"
 LIMITS_GROUP = "request limits (each checked before any work; a 400 beyond, 413/431 for sizes)"
 
 
@@ -55,6 +57,13 @@ class RequestLimits:
 class ServerConfig:
     """HTTP frontend settings. Binds 127.0.0.1 unless told otherwise."""
 
+    profile: str | None = setting(
+        None,
+        choices=("chat", "batch", "mixed"),
+        help="a scenario's settings as defaults that any flag overrides: chat (TTFT first), "
+        "batch (throughput first), mixed (P:D split that follows the load); see "
+        "docs/ARCHITECTURE.md, Scenario profiles",
+    )
     host: str = setting("127.0.0.1", help="address to bind; 0.0.0.0 exposes the server")
     port: int = setting(8000, help="port to listen on", checks=(in_range(0, 65535),))
     api_key: str | None = setting(
@@ -78,6 +87,25 @@ class ServerConfig:
         metavar="SECONDS",
         help="end a request with 503 if it is not scheduled within this time",
         checks=(POSITIVE,),
+    )
+    slo_admission: bool = setting(
+        False,
+        group=ADMISSION_GROUP,
+        help="refuse (503 + Retry-After) a request whose predicted TTFT is beyond the --slo "
+        "TTFT target, instead of serving it late",
+    )
+    admission_margin: float = setting(
+        0.0,
+        group=ADMISSION_GROUP,
+        metavar="FRACTION",
+        help="refuse only when the predicted TTFT exceeds the target by more than this share of it",
+        checks=(Check(lambda v: v >= 0, "must be >= 0"),),
+    )
+    truncate_prompt: str = setting(
+        "error",
+        choices=("error", "left"),
+        help="a prompt longer than the context: error (400) or left (keep its most recent "
+        "tokens; the dropped count is in usage.prompt_tokens_details.truncated_tokens)",
     )
     max_body_bytes: int = setting(
         16 << 20,

@@ -132,8 +132,9 @@ class Worker:
         if isinstance(msg, AddRequest):
             try:
                 req = core.make_request(msg.request_id, msg.prompt_token_ids, msg.params)
-                if msg.queue_timeout_s is not None:
-                    req.queue_deadline = req.arrival_time + msg.queue_timeout_s
+                waits = (msg.queue_timeout_s, msg.params.deadline_s)
+                if any(w is not None for w in waits):
+                    req.queue_deadline = req.arrival_time + min(w for w in waits if w is not None)
                 req.kv_role = msg.kv_role
                 if msg.kv_role == KVRole.SEND:
                     req.kv_dest = msg.kv_dest
@@ -190,7 +191,7 @@ class Worker:
                 r.request_id,
                 [],
                 finish_reason="abort",
-                error="the request waited in the queue longer than the queue timeout",
+                error="the request was not scheduled within its queue timeout or deadline",
                 error_code="queue_timeout",
             )
             for r in self.core.scheduler.expire_waiting(time.perf_counter())

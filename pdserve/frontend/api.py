@@ -245,33 +245,37 @@ def build_app(
         params = await state.inputs.constrain(body, _sampling_params(body))
         prompts = await state.inputs.completion_prompts(body.prompt, body.truncate_prompt_tokens)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        truncate = body.truncate_prompt_tokens
-        jobs = [
-            (f"{rid}-{i}", text, state.inputs.check(ids, params, truncate), params)
-            for i, (text, ids) in enumerate(prompts)
-        ]
+        jobs, truncated = [], 0
+        for i, (text, ids, dropped) in enumerate(prompts):
+            ids, cut = state.inputs.check(ids, params, body.truncate_prompt_tokens)
+            jobs.append((f"{rid}-{i}", text, ids, params))
+            truncated += dropped + cut
         responder = CompletionResponder(body, params.n, state.text_of, state.tokenizer)
-        return await _run(state, request, rid, jobs, body, responder)
+        return await _run(state, request, rid, jobs, body, responder, truncated)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_request(body, await request.body(), config.limits)
         state.check_model(body.model)
         params = await state.inputs.constrain(body, _sampling_params(body))
-        ids = await state.inputs.chat_prompt(body)
-        ids = state.inputs.check(ids, params, body.truncate_prompt_tokens)
+        ids, dropped = await state.inputs.chat_prompt(body)
+        ids, cut = state.inputs.check(ids, params, body.truncate_prompt_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         responder = ChatResponder(body, state.text_of, state.tool_parser)
-        return await _run(state, request, rid, [(rid, None, ids, params)], body, responder)
+        jobs = [(rid, None, ids, params)]
+        return await _run(state, request, rid, jobs, body, responder, dropped + cut)
 
     return app
 
 
-async def _run(state: ServerState, request: Request, rid: str, jobs, body, responder) -> Response:
-    """Admit the jobs, then stream them, or wait for all of them and answer."""
-    adm = state.admit(len(jobs))
+async def _run(
+    state: ServerState, request: Request, rid: str, jobs, body, responder, truncated: int
+) -> Response:
+    """Admit the jobs, then stream them, or wait for all of them and answer. `truncated`: the
+    prompt tokens dropped to fit the context (reported in `usage`)."""
+    adm = state.admit(jobs)
     if body.stream:
-        return _stream_response(state, adm, rid, jobs, body, responder)
+        return _stream_response(state, adm, rid, jobs, body, responder, truncated)
     try:
         outs = await _until_disconnect(request, _collect(state, adm, jobs))
     finally:
@@ -288,7 +292,7 @@ async def _run(state: ServerState, request: Request, rid: str, jobs, body, respo
         rid,
         state.model_name,
         choices,
-        usage=fmt.usage(n_prompt, n_out, cached),
+        usage=fmt.usage(n_prompt, n_out, cached, truncated),
         timings=fmt.timings(m),
         **responder.extra(outs),
     )
@@ -296,7 +300,7 @@ async def _run(state: ServerState, request: Request, rid: str, jobs, body, respo
 
 
 def _stream_response(
-    state: ServerState, adm: Admission, rid: str, jobs, body, responder
+    state: ServerState, adm: Admission, rid: str, jobs, body, responder, truncated: int
 ) -> StreamingResponse:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -324,7 +328,7 @@ def _stream_response(
                         rid,
                         state.model_name,
                         [],
-                        usage=fmt.usage(n_prompt, n_out, sum(cached.values())),
+                        usage=fmt.usage(n_prompt, n_out, sum(cached.values()), truncated),
                         timings=fmt.timings(last.metrics if last else None),
                     )
                 )

@@ -4,7 +4,8 @@ Static (`--pd-ratio static`): roles are fixed at startup and `report` only descr
 `manual` or `auto` the workers are switchable: `set_split` (POST /deployment) or the P:D
 controller (`control_loop`, every second) give them new roles through the router. The client
 feeds `on_step`, `on_arrival`, `on_output` and `on_gone`, from which `LoadObserver` builds the
-samples the controller reads.
+samples the controller reads and the SLO attainment gauges, and `PrefillRate` the prefill rate
+that SLO-aware admission predicts with (`pdserve.frontend.admission`).
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import asyncio
 import logging
 
 from pdserve.config import DisaggConfig
+from pdserve.frontend.admission import PrefillRate
 from pdserve.ipc.messages import StepOutputs
 from pdserve.pools.pd_controller import PDController, PhaseSLO
 from pdserve.pools.roles import LoadObserver, RoleManager
 from pdserve.pools.roles import Worker as RoleWorker
 from pdserve.pools.worker_pool import WorkerHandle, WorkerPool
-from pdserve.types import RequestOutput, RoleControl
+from pdserve.types import RequestOutput, Role, RoleControl
 
 logger = logging.getLogger("pdserve.frontend")
 
@@ -29,9 +31,10 @@ class Deployment:
         self.metrics = metrics
         self.router = None  # set once the client has built it
         self.roles: RoleManager | None = None  # switchable workers only
-        self.load: LoadObserver | None = None
+        self.slo = slo = PhaseSLO.parse(disagg.slo)
+        self.load = LoadObserver(slo)
+        self.prefill_rate = PrefillRate()
         if disagg.switchable:
-            slo = PhaseSLO.parse(disagg.slo)
             controller = None
             if disagg.pd_ratio == RoleControl.AUTO:
                 start = (disagg.num_prefill_workers, disagg.num_decode_workers)
@@ -39,7 +42,6 @@ class Deployment:
                     disagg.num_workers, slo, start=start, min_dwell_s=disagg.pd_min_dwell_s
                 )
             self.roles = RoleManager(disagg.pd_ratio, controller)
-            self.load = LoadObserver(slo)
 
     @property
     def automatic(self) -> bool:
@@ -47,27 +49,35 @@ class Deployment:
 
     # ---- what the client sees ------------------------------------------------------------
     def on_step(self, worker: WorkerHandle, msg: StepOutputs) -> None:
-        if self.load is None:
-            return
         for st in msg.steps:
+            self.prefill_rate.observe(worker.worker_id, st.num_prefill_tokens, st.step_time_s)
             if st.num_decode_seqs:
                 self.load.on_decode_step(worker.worker_id, st.step_time_s)
             if st.num_prefill_tokens and worker.role.decodes:
                 self.load.on_prefill_on_decoder(st.num_prefill_tokens)
 
     def on_arrival(self, request_id: str) -> None:
-        if self.load is not None:
-            self.load.on_arrival(request_id)
+        self.load.on_arrival(request_id)
 
     def on_output(self, out: RequestOutput) -> None:
-        if self.load is not None:
-            self.load.on_first_output(out.request_id)
-            if out.finished and out.metrics is not None:
-                self.load.on_finish(out.metrics.ttft, out.metrics.tpot)
+        self.load.on_first_output(out.request_id)
+        if out.finished and out.metrics is not None:
+            self.load.on_finish(out.metrics.ttft, out.metrics.tpot)
+            if self.metrics is not None:
+                ttft, tpot = self.load.attainment()
+                self.metrics.set_slo_attainment(ttft, tpot)
 
     def on_gone(self, request_id: str) -> None:
-        if self.load is not None:
-            self.load.on_first_output(request_id)
+        self.load.on_first_output(request_id)
+
+    def current_prefill_rate(self) -> float | None:
+        """Prompt tokens per second the deployment computes now: the measured rates of the
+        prefill workers, or of the colocated workers when none has the prefill role."""
+        live = self.pool.live()
+        prefilling = [w for w in live if w.role == Role.PREFILL] or [
+            w for w in live if w.role == Role.BOTH
+        ]
+        return self.prefill_rate.total(w.worker_id for w in prefilling)
 
     # ---- roles -----------------------------------------------------------------------------
     def _view(self) -> list[RoleWorker]:

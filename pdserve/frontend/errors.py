@@ -34,10 +34,16 @@ _TYPES = {
 
 class APIError(Exception):
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int = 1,  # seconds, for a 429 or 503
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after
 
 
 def error_body(
@@ -105,7 +111,7 @@ async def validation_handler(request: Request, exc: RequestValidationError) -> J
 
 
 async def api_error_handler(request: Request, exc: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+    headers = {"Retry-After": str(exc.retry_after)} if exc.status in (429, 503) else None
     return error_response(exc.status, exc.message, exc.param, exc.code, headers)
 
 

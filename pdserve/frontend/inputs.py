@@ -4,6 +4,11 @@ Tokenization and templates run off the event loop (`PromptTokenizer`). A prompt 
 against the model before anything is queued: token ids inside the vocabulary, room for at least
 one output token in the context, `max_tokens` within what is left. Every failure is an
 `APIError(400)` naming the field.
+
+With `--truncate-prompt left`, a prompt that leaves no room for its output is cut instead: its
+most recent tokens are kept (after the BOS token, when it starts with one), as many as leave room
+for `max_tokens` (or one token) in the context and the KV cache. The methods return how many
+tokens were dropped, which the response reports in `usage`.
 """
 
 from __future__ import annotations
@@ -25,8 +30,15 @@ from pdserve.validation import EngineLimits, InvalidRequest
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, tokenizer_path: str | None, chat_template: str | None) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        tokenizer_path: str | None,
+        chat_template: str | None,
+        truncate_left: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.truncate_left = truncate_left
         self.prompt_tokenizer = PromptTokenizer(tokenizer, tokenizer_path)
         self.chat_template = Path(chat_template).read_text() if chat_template else None
         self.limits = EngineLimits(0, 0)  # set once the workers report (`set_model_limits`)
@@ -45,8 +57,8 @@ class InputProcessor:
     # ---- completions -------------------------------------------------------------------------
     async def completion_prompts(
         self, prompt, truncate: int | None
-    ) -> list[tuple[str | None, list[int]]]:
-        """(text or None, token ids) of each prompt of a /v1/completions body."""
+    ) -> list[tuple[str | None, list[int], int]]:
+        """(text or None, token ids, tokens dropped) of each prompt of a /v1/completions body."""
         if isinstance(prompt, str):
             prompts = [prompt]
         elif prompt and all(isinstance(t, int) for t in prompt):
@@ -60,27 +72,32 @@ class InputProcessor:
             if isinstance(p, str):
                 if not p:
                     raise APIError(400, "invalid prompt: it is empty", param="prompt")
-                out.append((p, await self._encode(p, True, truncate)))
+                out.append((p, *await self._encode(p, True, truncate)))
             else:
-                out.append((None, list(p)))
+                out.append((None, list(p), 0))
         return out
 
-    async def _encode(self, text: str, add_special_tokens: bool, truncate: int | None) -> list[int]:
-        enc = await self.prompt_tokenizer.encode(
-            text, add_special_tokens, truncate, self.limits.max_model_len - 1
-        )
+    async def _encode(
+        self, text: str, add_special_tokens: bool, truncate: int | None
+    ) -> tuple[list[int], int]:
+        """The ids of `text` (cut to `truncate`, or with --truncate-prompt left to the context)
+        and how many were dropped; a 400 when it is too long and may not be cut."""
+        max_len = self.limits.max_model_len - 1
+        keep = truncate if truncate is not None or not self.truncate_left else max_len
+        enc = await self.prompt_tokenizer.encode(text, add_special_tokens, keep, max_len)
         if enc.ids is None:
             raise self._too_long(enc.num_tokens)
-        return enc.ids
+        return enc.ids, enc.num_tokens - len(enc.ids)
 
     # ---- chat ---------------------------------------------------------------------------------
-    async def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    async def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], int]:
+        """The prompt's token ids and how many were dropped."""
         text = await self.prompt_tokenizer.run(self._render_chat, body)
-        ids = await self._encode(text, False, body.truncate_prompt_tokens)
+        ids, dropped = await self._encode(text, False, body.truncate_prompt_tokens)
         bos, bos_text = self.tokenizer.bos_token_id, self.tokenizer.bos_token
         if bos is not None and bos_text and not text.startswith(bos_text):
             ids = [bos, *ids]  # the template did not add the BOS the model was trained with
-        return ids
+        return ids, dropped
 
     def _render_chat(self, body: ChatCompletionRequest) -> str:
         try:
@@ -136,15 +153,40 @@ class InputProcessor:
         spec.check(grammar, field, self._llg_tokenizer)
 
     # ---- checks --------------------------------------------------------------------------------
-    def check(self, ids: list[int], params: SamplingParams, truncate: int | None) -> list[int]:
-        """The prompt the engine gets (cut to `truncate` tokens), or a 400 saying why not."""
+    def check(
+        self, ids: list[int], params: SamplingParams, truncate: int | None
+    ) -> tuple[list[int], int]:
+        """The prompt the engine gets (cut to `truncate` tokens, or with --truncate-prompt left
+        to what leaves room for the output) and how many tokens were cut here; a 400 saying why
+        not."""
+        num_given = len(ids)
         if truncate is not None:
             ids = ids[-truncate:]
+        if self.truncate_left:
+            ids = self._keep_last(ids, self._room_for_prompt(params.max_tokens))
         try:
             self.limits.check(ids, params.max_tokens)
         except InvalidRequest as e:
             raise APIError(400, str(e), param=e.param, code=e.code) from None
-        return ids
+        return ids, num_given - len(ids)
+
+    def _room_for_prompt(self, max_tokens: int | None) -> int:
+        limits = self.limits
+        room = limits.max_model_len
+        if limits.kv_capacity is not None:
+            room = min(room, limits.kv_capacity)
+        return room - max(max_tokens or 1, 1)
+
+    def _keep_last(self, ids: list[int], keep: int) -> list[int]:
+        """The last `keep` ids (at least one), after the BOS token when the prompt starts with
+        it."""
+        if len(ids) <= keep:
+            return ids
+        keep = max(keep, 1)
+        bos = self.tokenizer.bos_token_id
+        if bos is not None and ids and ids[0] == bos and keep > 1:
+            return [bos, *ids[len(ids) - keep + 1 :]]
+        return ids[len(ids) - keep :]
 
     def _too_long(self, num_tokens: int) -> APIError:
         e = self.limits.too_long(num_tokens)

@@ -149,6 +149,20 @@ class ServerMetrics:
         self.workers_by_role = Gauge(
             "pdserve_workers", "live workers per role", ("role",), registry=r
         )
+        self.slo_attainment = Gauge(
+            "pdserve_slo_attainment_ratio",
+            "share of the requests finished lately (10 s window) within the phase's --slo "
+            "target (ttft: TTFT, tpot: TPOT)",
+            ("phase",),
+            registry=r,
+        )
+        self.rejected = Counter(
+            "pdserve_requests_rejected",
+            "requests refused at admission with 503 (overloaded: --max-waiting-requests; "
+            "slo: predicted TTFT beyond the SLO or the request's deadline)",
+            ("reason",),
+            registry=r,
+        )
 
     def forget_role(self, worker_id: int, role) -> None:
         """A worker switched away from `role`: its gauges under that role go (its counters and
@@ -162,6 +176,11 @@ class ServerMetrics:
             for phase in PHASES:
                 with contextlib.suppress(KeyError):
                     g.remove(*lab, phase)
+
+    def set_slo_attainment(self, ttft: float | None, tpot: float | None) -> None:
+        for phase, share in (("ttft", ttft), ("tpot", tpot)):
+            if share is not None:
+                self.slo_attainment.labels(phase).set(share)
 
     def set_roles(self, live_workers) -> None:
         for role in Role:

@@ -36,12 +36,17 @@ def timing_headers(m: RequestMetrics | None) -> dict[str, str]:
     }
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0, truncated: int = 0) -> dict:
+    """OpenAI's usage object; `truncated_tokens` (prompt tokens dropped to fit the context, see
+    --truncate-prompt) appears only when some were."""
+    details = {"cached_tokens": cached}
+    if truncated:
+        details["truncated_tokens"] = truncated
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": details,
     }
 
 

@@ -1,7 +1,8 @@
 """OpenAI-compatible request bodies (pydantic: FastAPI validates them and serves their schema).
 
 Fields follow the OpenAI API; engine extras follow vLLM (`top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`, `min_tokens`, `stop_token_ids`, `truncate_prompt_tokens`). Every integer is bounded
+`ignore_eos`, `min_tokens`, `stop_token_ids`, `truncate_prompt_tokens`, `priority`), plus pdserve's
+`deadline_ms` (the first token is wanted within that time, else a 503). Every integer is bounded
 to what the engine can represent, so an absurd value is a 400, never an overflow deeper down. A
 field pdserve does not know is a 400 naming it, except the metadata fields in `IGNORED_FIELDS`,
 which are accepted and ignored. `to_sampling_params` turns a body into `SamplingParams`, whose own
@@ -75,6 +76,8 @@ class _SamplingBody(_Body):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     prompt_logprobs: Int32 | None = None
+    priority: Int32 = 0  # lower is admitted first (FCFS within a priority)
+    deadline_ms: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
     # Structured output (one of them; `pdserve.structured.spec`)
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -108,6 +111,8 @@ class _SamplingBody(_Body):
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            priority=self.priority,
+            deadline_s=None if self.deadline_ms is None else self.deadline_ms / 1e3,
         )
 
 

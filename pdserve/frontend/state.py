@@ -1,8 +1,9 @@
 """The server's state between requests: the engine client, the input processor, admission.
 
 `ServerState` is what every route reads: which model is served, how prompts become token ids
-(`InputProcessor`), the engine (`EngineClient`) and the count of requests waiting for their first
-token, which `--max-waiting-requests` bounds (`admit`).
+(`InputProcessor`), the engine (`EngineClient`), and admission (`admit`): the count of requests
+waiting for their first token, which `--max-waiting-requests` bounds, and the TTFT prediction of
+SLO-aware admission (`pdserve.frontend.admission`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from pdserve.config import DisaggConfig, EngineArgs, ModelConfig, ServerConfig, worker_specs
 from pdserve.frontend import openai_format as fmt
+from pdserve.frontend.admission import TTFTPredictor
 from pdserve.frontend.engine_client import (
     EngineClient,
     EngineDeadError,
@@ -37,6 +39,7 @@ class ServerState:
             tokenizer,
             getattr(tokenizer, "name_or_path", None) or engine_args.tokenizer or engine_args.model,
             config.chat_template,
+            truncate_left=config.truncate_prompt == "left",
         )
         self.client = client
         self.metrics = client.metrics
@@ -49,6 +52,8 @@ class ServerState:
         else:
             self.tool_parser = PARSERS[config.tool_call_parser]
         self.num_unstarted = 0  # requests sent that have produced no token yet
+        slo_s = client.deployment.slo.ttft_s if config.slo_admission else None
+        self.ttft = TTFTPredictor(slo_s, config.admission_margin)
 
     # ---- input ----------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -60,19 +65,36 @@ class ServerState:
                 code="model_not_found",
             )
 
-    def admit(self, num_requests: int) -> Admission:
-        """Reserve room for requests in the waiting queue, or raise 503."""
+    def admit(self, jobs: list[tuple[str, str | None, list[int], SamplingParams]]) -> Admission:
+        """Admit a request's jobs (one per prompt: id, text, token ids, params), or raise 503:
+        the engine is down, too many requests wait, or the first token would come too late."""
         if not self.client.healthy:
             raise APIError(503, f"engine unavailable: {self.client.dead_reason}")
         limit = self.config.max_waiting_requests
         if limit is not None and self.num_unstarted >= limit:
+            self.metrics.rejected.labels("overloaded").inc()
             raise APIError(
                 503,
                 f"server overloaded: {self.num_unstarted} requests waiting "
                 f"(--max-waiting-requests {limit}); retry later",
                 code="overloaded",
             )
-        return Admission(self, num_requests)
+        params = jobs[0][3]
+        rate = self.client.deployment.current_prefill_rate()
+        num_tokens = sum(len(ids) for _, _, ids, _ in jobs)
+        verdict = self.ttft.check(num_tokens, params.priority, params.deadline_s, rate)
+        if not verdict.admit:
+            self.metrics.rejected.labels("slo").inc()
+            raise APIError(
+                503,
+                f"server too busy to meet the time to first token: predicted "
+                f"{verdict.predicted_s:.2f} s against a target of {verdict.target_s:.2f} s "
+                f"({num_tokens} prompt tokens at {rate:.0f} prompt tokens/s behind the queue); "
+                "retry later",
+                code="ttft_slo_unattainable",
+                retry_after=verdict.retry_after_s,
+            )
+        return Admission(self, jobs)
 
     # ---- running --------------------------------------------------------------------------
     async def stream(
@@ -88,7 +110,7 @@ class ServerState:
             async for out in self.client.generate(rid, prompt, ids, params):
                 if not started:
                     started = True
-                    admission.started_one()
+                    admission.started(rid)
                 yield out
         except RequestRejected as e:
             if e.code == "queue_timeout":
@@ -99,20 +121,25 @@ class ServerState:
 
 
 class Admission:
-    """Requests counted as waiting from admission until their first token (or their end)."""
+    """A request's jobs, counted as waiting (and as queued prompt tokens for the TTFT
+    prediction) from admission until their first token or their end."""
 
-    def __init__(self, state: ServerState, num_requests: int) -> None:
-        self.state, self.remaining = state, num_requests
-        state.num_unstarted += num_requests
+    def __init__(self, state: ServerState, jobs) -> None:
+        self.state = state
+        self.waiting = {rid for rid, _, _, _ in jobs}
+        state.num_unstarted += len(self.waiting)
+        for rid, _, ids, params in jobs:
+            state.ttft.add(rid, len(ids), params.priority)
 
-    def started_one(self) -> None:
-        if self.remaining > 0:
-            self.remaining -= 1
+    def started(self, rid: str) -> None:
+        if rid in self.waiting:
+            self.waiting.discard(rid)
             self.state.num_unstarted -= 1
+            self.state.ttft.remove(rid)
 
     def close(self) -> None:
-        self.state.num_unstarted -= self.remaining
-        self.remaining = 0
+        for rid in list(self.waiting):
+            self.started(rid)
 
 
 def engine_client(engine_args: EngineArgs, config: ServerConfig, disagg: DisaggConfig):

@@ -71,11 +71,13 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVBlock] = (),
         publish: bool = True,
+        keep_free: int = 0,
     ) -> bool:
         """Make room for `num_new_tokens` more tokens after `num_computed_tokens` (and after any
-        cache hits in `new_computed_blocks`). Returns False, changing nothing, if the pool is short.
-        `publish=False` keeps the new blocks out of the prefix cache until `publish_blocks`: for
-        blocks reserved for KV that another worker will send."""
+        cache hits in `new_computed_blocks`). Returns False, changing nothing, if the pool is short
+        or would keep fewer than `keep_free` blocks free. `publish=False` keeps the new blocks out
+        of the prefix cache until `publish_blocks`: for blocks reserved for KV that another worker
+        will send."""
         rid = request.request_id
         blocks = self.req_blocks.get(rid)
         if blocks is None:
@@ -86,7 +88,7 @@ class KVCacheManager:
         total = num_computed + num_new_tokens
         num_needed = -(-total // self.block_size) - len(blocks) - len(new_computed_blocks)
         num_reclaimed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_needed > self.pool.num_free_blocks - num_reclaimed:
+        if num_needed > self.pool.num_free_blocks - num_reclaimed - keep_free:
             return False
         block_ids = self.req_block_ids[rid]
         if new_computed_blocks:

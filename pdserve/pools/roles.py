@@ -54,13 +54,22 @@ class LoadObserver:
     def on_finish(self, ttft_s: float | None, tpot_s: float | None) -> None:
         self.finished.append((self.clock(), ttft_s, tpot_s))
 
-    def sample(self, queued_prefill_tokens: int, kv_usage: float) -> LoadSample:
-        now = self.clock()
+    def _prune(self, now: float) -> None:
         for window in (self.finished, self.prefill_on_decoders):
             while window and now - window[0][0] > self.window_s:
                 window.popleft()
+
+    def attainment(self) -> tuple[float | None, float | None]:
+        """The shares of the requests finished in the window that met the TTFT and the TPOT SLO
+        (None: no such request)."""
+        self._prune(self.clock())
         ttfts = [t for _, t, _ in self.finished if t is not None]
         tpots = [t for _, _, t in self.finished if t is not None]
+        return _share(ttfts, self.slo.ttft_s), _share(tpots, self.slo.tpot_s)
+
+    def sample(self, queued_prefill_tokens: int, kv_usage: float) -> LoadSample:
+        now = self.clock()
+        ttft_attainment, tpot_attainment = self.attainment()
         oldest = min(self.unstarted.values(), default=now)
         steps = list(self.decode_steps.values())
         return LoadSample(
@@ -69,8 +78,8 @@ class LoadObserver:
             oldest_wait_s=now - oldest,
             decode_step_s=max(steps) if steps else None,
             kv_usage=kv_usage,
-            ttft_attainment=_share(ttfts, self.slo.ttft_s),
-            tpot_attainment=_share(tpots, self.slo.tpot_s),
+            ttft_attainment=ttft_attainment,
+            tpot_attainment=tpot_attainment,
             prefill_tokens_on_decoders=sum(n for _, n in self.prefill_on_decoders),
         )
 

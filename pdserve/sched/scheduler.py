@@ -1,14 +1,29 @@
 """Scheduler: continuous batching with a per-step token budget and chunked prefill (no torch).
 
 Each step, running requests are served first (a decode takes one token; a request still in
-prefill takes its next chunk), then waiting requests are admitted in FCFS order while the token
-budget, `max_num_seqs` and the KV pool allow. When a running request cannot get a block, the
-newest running request is preempted: its blocks are returned and it is recomputed later (its
-prefix will usually still be cached). Every path that ends a request returns its blocks.
+prefill takes its next chunk), then waiting requests are admitted while the token budget,
+`max_num_seqs` and the KV pool allow. When a running request cannot get a block, the newest
+running request is preempted: its blocks are returned and it is recomputed later (its prefix
+will usually still be cached). Every path that ends a request returns its blocks.
+
+Admission order is FCFS within a priority (`SamplingParams.priority`, lower first). A waiting
+request gains one priority level per `priority_aging_s` it has waited, so a low priority is
+delayed, never starved. With priorities in play, preemption takes the lowest-priority newest
+request.
+
+Two settings serve interactive traffic (the chat profile):
+
+- `prefill_first`: a new prompt's next chunk is scheduled before the chunks of prompts already
+  in prefill (a short question does not wait behind a long document), while every running
+  decode still gets its token each step: a stream pauses for at most one chunk.
+- `reserved_kv_fraction`: new requests are admitted only while this share of the KV blocks
+  stays free for the requests already running, so a running stream is not preempted to make
+  room for a newcomer.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -124,17 +139,65 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         return n
 
+    def _priority_key(self, now: float):
+        aging = self.config.priority_aging_s
+
+        def key(request: Request) -> tuple[float, float]:
+            waited = now - request.arrival_time
+            return request.sampling_params.priority - math.floor(
+                waited / aging
+            ), request.arrival_time
+
+        return key
+
+    def _order_waiting(self, now: float) -> None:
+        """Lower priority value first, FCFS within one (a no-op unless some request set one)."""
+        if any(r.sampling_params.priority for r in self.waiting):
+            self.waiting = deque(sorted(self.waiting, key=self._priority_key(now)))
+
+    def _prefill_reserve(self, budget: int) -> int:
+        """prefill_first: the tokens the waiting head's next chunk needs this step."""
+        if not (self.config.prefill_first and self.waiting):
+            return 0
+        if len(self.running) + len(self.remote.waiting) >= self.config.max_num_seqs:
+            return 0
+        head = self.waiting[0]
+        return self._chunk(head, budget) if head.kv_role != KVRole.RECEIVE else 0
+
+    def _pick_victim(self, candidates: list[Request], now: float) -> Request:
+        """The running request to preempt: the newest, or with priorities in play the newest of
+        the lowest priority."""
+        if any(r.sampling_params.priority for r in candidates):
+            return max(candidates, key=self._priority_key(now))
+        return candidates[-1]
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         now = time.perf_counter()
+        self._order_waiting(now)
+        reserve = self._prefill_reserve(budget)
+        # prefill_first: one token of the budget stays with each running decode
+        decodes_left = (
+            sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running) if reserve else 0
+        )
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._chunk(request, budget)
+            if not reserve:
+                num_new = self._chunk(request, budget)
+            elif request.num_tokens - request.num_computed_tokens == 1:
+                decodes_left -= 1
+                num_new = 1
+            else:  # a prompt in prefill: after the new prompt's chunk and the decodes
+                num_new = self._chunk(request, budget - reserve - decodes_left)
+                if num_new <= 0:
+                    i += 1
+                    continue
             while not self.kv.allocate_slots(request, num_new):
-                victim = self.running.pop()
+                victim = self._pick_victim(self.running[i:], now)
+                self.running.remove(victim)
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is request:
@@ -144,6 +207,10 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
+        # KV blocks kept free for the running requests (none to keep when nothing runs)
+        keep_free = 0
+        if self.running and self.config.reserved_kv_fraction:
+            keep_free = math.ceil(self.config.reserved_kv_fraction * self.kv.num_blocks)
         # After a preemption the pool is short: admit nothing new this step.
         while (
             self.waiting
@@ -167,7 +234,7 @@ class Scheduler:
                 num_new = min(num_new, self.config.long_prefill_token_threshold)
             if num_new < remaining and not self.config.enable_chunked_prefill:
                 break
-            if not self.kv.allocate_slots(request, num_new, hits):
+            if not self.kv.allocate_slots(request, num_new, hits, keep_free=keep_free):
                 break
             self.waiting.popleft()
             request.num_computed_tokens += num_hit_tokens

@@ -8,9 +8,9 @@ from dataclasses import MISSING, fields
 import msgspec
 import pytest
 
-from pdserve.cli import build_parser
+from pdserve.cli import build_parser, parse_args
 from pdserve.commands.flags import from_args
-from pdserve.commands.serve import disagg_config_from
+from pdserve.commands.serve import disagg_config_from, server_config_from
 from pdserve.config import (
     CacheConfig,
     DisaggConfig,
@@ -20,6 +20,7 @@ from pdserve.config import (
     ServerConfig,
     worker_specs,
 )
+from pdserve.config.profiles import PROFILES
 from pdserve.config.settings import option, options, pool_options, undeclared
 from pdserve.types import KVTransportKind, PrefillFailurePolicy, RoleControl
 
@@ -42,11 +43,15 @@ SAMPLES = {
         max_num_seqs=8,
         enable_chunked_prefill=False,
         long_prefill_token_threshold=64,
+        prefill_first=True,
+        reserved_kv_fraction=0.25,
+        priority_aging_s=3.5,
         num_threads=3,
         hardware_profile="hw.json",
         linear_backend="torch",
     ),
     ServerConfig: dict(
+        profile="batch",
         host="0.0.0.0",
         port=9001,
         api_key="k",
@@ -54,6 +59,9 @@ SAMPLES = {
         chat_template="t.jinja",
         max_waiting_requests=5,
         queue_timeout_s=2.5,
+        slo_admission=True,
+        admission_margin=0.5,
+        truncate_prompt="left",
         max_body_bytes=1 << 20,
         max_header_bytes=8192,
         public_metrics=True,
@@ -225,3 +233,56 @@ def test_engine_args_in_code_are_checked_like_flags(kwargs, match):
 def test_engine_args_cross_to_workers_as_json_unchanged():
     args = EngineArgs(**SAMPLES[EngineArgs])
     assert msgspec.json.decode(msgspec.json.encode(args), type=EngineArgs) == args
+
+
+# ---- scenario profiles ---------------------------------------------------------------------------
+def serve_configs(*argv: str):
+    _, args = parse_args(["serve", "--model", "m", *argv])
+    return from_args(EngineArgs, args), server_config_from(args), disagg_config_from(args)
+
+
+def setting_values(*configs) -> dict:
+    return {o.name: getattr(c, o.name) for c in configs for o in options(type(c))}
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_a_profile_resolves_to_its_settings(name):
+    values = setting_values(*serve_configs("--profile", name))
+    for key, expected in PROFILES[name].items():
+        assert values[key] == expected, key
+    # everything it does not name keeps the default
+    default = setting_values(*serve_configs())
+    changed = {k for k in values if values[k] != default[k]}
+    assert changed <= set(PROFILES[name]) | {"profile"}
+
+
+def test_any_flag_overrides_the_profile():
+    engine, server, disagg = serve_configs(
+        "--profile", "chat", "--no-prefill-first", "--max-num-batched-tokens", "300",
+        "--truncate-prompt", "error",
+    )  # fmt: skip
+    assert not engine.prefill_first and engine.max_num_batched_tokens == 300
+    assert server.truncate_prompt == "error"
+    assert server.slo_admission and engine.long_prefill_token_threshold == 256  # the rest holds
+    _, _, disagg = serve_configs("--profile", "mixed", "--pd-ratio", "manual")
+    assert disagg.pd_ratio == RoleControl.MANUAL and disagg.num_prefill_workers == 1
+
+
+def test_the_docs_list_each_profile_as_the_code_defines_it():
+    """docs/ARCHITECTURE.md, "Scenario profiles": one row per setting, one column per profile."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "ARCHITECTURE.md").read_text()
+    table = text[text.index("| setting | chat | batch | mixed |") :].split("\n\n")[0]
+    rows = [line.strip("|").split("|") for line in table.splitlines()[2:]]
+    documented = {name: {} for name in PROFILES}
+    for flag, *cells in rows:
+        flag = flag.strip().strip("`")
+        name = next(o.name for cls in SETTINGS_CLASSES for o in options(cls) if o.flag == flag)
+        for profile, cell in zip(PROFILES, cells, strict=True):
+            cell = cell.strip().strip("`")
+            if cell != "":
+                documented[profile][name] = cell
+    for profile, settings in PROFILES.items():
+        shown = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in settings.items()}
+        assert documented[profile] == shown, profile

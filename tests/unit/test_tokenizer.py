@@ -163,11 +163,12 @@ async def frontend(path):
     tok = load_tokenizer(path)
     inputs = InputProcessor(tok, path, None)
     inputs.set_model_limits(4096, len(tok))
-    [(_, ids)] = await inputs.completion_prompts("Once upon a time, Lily", None)
+    [(_, ids, dropped)] = await inputs.completion_prompts("Once upon a time, Lily", None)
+    assert dropped == 0
     assert tok.decode(ids, skip_special_tokens=True) == "Once upon a time, Lily"
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
                                  tools=[WEATHER], tool_choice="required")
-    chat_ids = await inputs.chat_prompt(body)
+    chat_ids, _ = await inputs.chat_prompt(body)
     params = await inputs.constrain(body, SamplingParams(max_tokens=8))
     assert params.grammar and chat_ids
     body = CompletionRequest(prompt="x", guided_json={"type": "object"})
