@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -90,7 +91,7 @@ from lib.phase_shift import (  # noqa: E402
 )
 from lib.phase_shift import plot as draw  # noqa: E402
 from lib.procstat import CpuMeter  # noqa: E402
-from lib.quiet import measured  # noqa: E402
+from lib.quiet import Watch, measured  # noqa: E402
 from lib.server import Server, metric_sums, metric_total, send  # noqa: E402
 from lib.tables import ms  # noqa: E402
 
@@ -200,8 +201,8 @@ def serve_and_run(args: list[str], requests, warmup, log: Path, poll_s: float):
 def run_one(name: str, args: list[str], requests, warmup, tags, a, workdir: Path) -> dict:
     print(f"\n== {name} ==", flush=True)
     log = workdir / f"{name}.log"
-    (command, m0, m1, cpu, records, first, last, timeline), meta = measured(
-        lambda: serve_and_run(args, requests, warmup, log, a.poll_s), name, a.attempts
+    (command, m0, m1, cpu, records, first, last, timeline), meta = run_measured(
+        lambda: serve_and_run(args, requests, warmup, log, a.poll_s), name, a
     )
     delta = lambda n: metric_total(m1, n) - metric_total(m0, n)  # noqa: E731
     entry = {
@@ -272,31 +273,40 @@ def finish(res: dict, a) -> None:
 
 
 def probe(a, model: str, tok, order: list[str], workdir: Path) -> None:
-    """Throughput of colocated-chunked on each stretch's first requests sent all at once."""
+    """Throughput of colocated-chunked on each stretch's first requests sent all at once
+    (printed as each stretch ends, for every attempt)."""
     requests, tags, _ = build_load(a, tok, order, num=a.probe_requests)
     args = deployments(a, model)["colocated-chunked"]
     warm = warmup_requests(a, tok)
 
     def go():
-        out = {}
         with Server(args, workdir / "probe.log") as srv:
             send(warm, srv.base_url, model, max_concurrency=1)
+            print("\n| stretch | requests | duration s | req/s | TTFT p50 ms | TPOT p50 ms | 85% |")
+            print("| --- | --- | --- | --- | --- | --- | --- |")
             for name in order:
                 part = [r for r in requests if tags[r.index] == name]
-                out[name] = summarize(send(part, srv.base_url, model))
-        return out
+                s = summarize(send(part, srv.base_url, model))
+                print(
+                    f"| {name} | {s['completed']} | {s['duration_s']:.0f} | "
+                    f"{s['request_throughput']:.3f} | {ms(s['ttft_ms']['p50'])} | "
+                    f"{ms(s['tpot_ms']['p50'])} | {0.85 * s['request_throughput']:.2f} |",
+                    flush=True,
+                )
 
-    found, meta = measured(go, "probe", a.attempts)
-    print("\n| stretch | requests | duration s | req/s | TTFT p50 ms | TPOT p50 ms | 85% |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for name, s in found.items():
-        print(
-            f"| {name} | {s['completed']} | {s['duration_s']:.0f} | "
-            f"{s['request_throughput']:.3f} | {ms(s['ttft_ms']['p50'])} | "
-            f"{ms(s['tpot_ms']['p50'])} | {0.85 * s['request_throughput']:.2f} |"
-        )
+    _, meta = run_measured(go, "probe", a)
     if meta["disturbed"]:
         print(f"DISTURBED by: {meta['disturbed']}")
+
+
+def run_measured(fn, label: str, a):
+    """`measured` (wait for a quiet CPU, run again when disturbed), or with --no-wait one run
+    as it comes, its disturbance recorded."""
+    if not a.no_wait:
+        return measured(fn, label, a.attempts)
+    with Watch() as w:
+        result = fn()
+    return result, {"waits_s": [], "attempts": 1, "disturbed": w.disturbed}
 
 
 def warmup_requests(a, tok):
@@ -385,6 +395,12 @@ def main() -> None:
         default=2,
         help="runs of a deployment when another benchmark disturbed the previous one",
     )
+    p.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="run each deployment once, without waiting for a quiet CPU (smoke runs on a shared "
+        "machine); other processes seen meanwhile are still recorded as `disturbed`",
+    )
     p.add_argument("--window-s", type=float, default=20.0, help="rolling attainment window")
     p.add_argument("--output", help="write every result (with per-request records) as JSON")
     p.add_argument("--plot", help="PNG: the split over time and rolling attainment")
@@ -402,6 +418,8 @@ def main() -> None:
         "saved ones where not given), print it (and write --output, --plot)",
     )
     a = p.parse_args()
+    # a SIGTERM (timeout, kill) unwinds like Ctrl-C: the servers started here are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if a.reanalyze:
         res = json.loads(Path(a.reanalyze).read_text())
         if a.slo:

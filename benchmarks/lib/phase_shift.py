@@ -151,7 +151,9 @@ class DeploymentPoller:
         )
         fresh = new_decisions(self._seen, rep.get("decisions", []))
         for d in fresh:
-            self.decisions.append({"t": round(t, 3), "from": d["old"], "to": d["new"], **d})
+            self.decisions.append(
+                {"t": round(t, 3), "from": d["old"], "to": d["new"], "reason": d["reason"]}
+            )
         self._seen.extend(fresh)
         self._seen = self._seen[-200:]
         return rep

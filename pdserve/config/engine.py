@@ -140,7 +140,7 @@ class EngineArgs:
         checks=(Check(lambda v: 0 <= v <= 0.5, "must be in [0, 0.5]"),),
     )
     priority_aging_s: float = setting(
-        10.0,
+        60.0,
         group=SCHEDULER_GROUP,
         metavar="SECONDS",
         help="a waiting request gains one priority level per this many seconds waited (lower "

@@ -19,7 +19,10 @@ step time (a moving average over its steps that computed prompt tokens), summed 
 that prefill now. Until a worker has computed a prompt there is no rate and everything is
 admitted. The target is the TTFT SLO (`--slo ttft_ms=...`, with `--slo-admission`) or the
 request's `deadline_ms`, whichever is tighter; a request is refused when the prediction exceeds
-the target by more than `--admission-margin` (a fraction of the target).
+the target by more than `--admission-margin` (a fraction of the target). A request with nothing
+queued ahead of it is always admitted: refusing it would make nobody faster, and its prefill
+keeps the measured rate current (a rate measured low, on a busy machine, is corrected by the next
+prompt rather than refusing everything from then on).
 """
 
 from __future__ import annotations
@@ -83,9 +86,12 @@ class TTFTPredictor:
             return Verdict(True)
         target = min(targets)
         predicted = self.predict(num_tokens, priority, rate)
-        if predicted is None or predicted <= target * (1 + self.margin):
+        if predicted is None or predicted <= target * (1 + self.margin) or not self._ahead(priority):
             return Verdict(True, predicted, target)
         return Verdict(False, predicted, target, max(1, math.ceil(predicted - target)))
+
+    def _ahead(self, priority: int) -> bool:
+        return any(p <= priority for _, p in self.queued.values())
 
     def add(self, key: str, num_tokens: int, priority: int) -> None:
         self.queued[key] = (num_tokens, priority)

@@ -5,10 +5,11 @@ the SLO attainment gauges and rejection counter are exported."""
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import pytest
-from server_harness import start_server
+from server_harness import start_server, wait_until
 
 CONTEXT = 512  # stories260K
 BOS = 1
@@ -16,7 +17,10 @@ BOS = 1
 
 @pytest.fixture(scope="module")
 def chat_server(stories_path):
-    s = start_server(stories_path, "--served-model-name", "stories", "--profile", "chat")
+    # one running request at a time: a test can hold requests in the queue
+    s = start_server(
+        stories_path, "--served-model-name", "stories", "--profile", "chat", "--max-num-seqs", "1"
+    )
     yield s
     s.stop()
 
@@ -62,7 +66,18 @@ def test_truncation_applies_to_chat_and_streams_report_it_too(chat_server):
 def test_a_request_predicted_past_its_deadline_is_refused_at_once(chat_server):
     prompt = [BOS] + [3 + i % 500 for i in range(400)]
     assert complete(chat_server, prompt=prompt, max_tokens=2).status_code == 200  # a rate now
-    # 401 prompt tokens cannot be prefilled within a millisecond
+    # A request with nothing queued ahead is always admitted (refusing it helps nobody).
+    alone = complete(chat_server, prompt=prompt[:-1] + [8], max_tokens=2, deadline_ms=1)
+    assert alone.status_code == 200, alone.text
+    # Hold requests in the queue: one long generation runs, three wait behind it.
+    long_run = {"prompt": [BOS, 5], "max_tokens": 500, "ignore_eos": True}
+    threads = [
+        threading.Thread(target=complete, args=(chat_server,), kwargs=long_run) for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    wait_until(lambda: chat_server.metric("pdserve_num_requests_waiting") >= 2, "a queue")
+    # 401 prompt tokens behind a queue cannot get their first token within a millisecond
     r = complete(chat_server, prompt=prompt[:-1] + [9], max_tokens=2, deadline_ms=1)
     assert r.status_code == 503, r.text
     err = r.json()["error"]
@@ -70,6 +85,8 @@ def test_a_request_predicted_past_its_deadline_is_refused_at_once(chat_server):
     assert int(r.headers["retry-after"]) >= 1
     ok = complete(chat_server, prompt=prompt[:-1] + [10], max_tokens=2, deadline_ms=600_000)
     assert ok.status_code == 200
+    for t in threads:
+        t.join()
     metrics = httpx.get(f"{chat_server.url}/metrics").text
     assert 'pdserve_requests_rejected_total{reason="slo"} 1.0' in metrics
     assert 'pdserve_slo_attainment_ratio{phase="ttft"}' in metrics

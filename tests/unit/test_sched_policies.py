@@ -67,7 +67,7 @@ def test_without_priorities_the_order_is_fcfs():
 
 
 def test_aging_lets_a_long_waiting_low_priority_request_pass():
-    """One level per priority_aging_s waited: priority 3 that waited 35 s ranks as 0 - 3 = -0,
+    """One level per priority_aging_s waited: priority 3 that waited 35 s ranks as 3 - 3 = 0,
     ahead of a fresh priority-0 request that arrived later, but not of a fresh priority -1."""
     sched = make_scheduler(max_seqs=1, priority_aging_s=10.0)
     now = time.perf_counter()
