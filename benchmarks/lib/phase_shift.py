@@ -420,6 +420,8 @@ def plot(res: dict, path: str, window_s: float) -> str:
     top.set_yticks([0, 1], ["0 (colocated)", "1 (1P+1D)"])
     if top.get_legend_handles_labels()[0]:
         top.legend(loc="upper right", fontsize=8)
+    else:
+        top.text(end_s / 2, 0.5, "no switchable deployment in this run", ha="center")
     base = Slo.parse(res["slo"]["base"])
     over = {k: Slo.parse(v) for k, v in res["slo"]["per_stretch"].items()}
     for e in res["deployments"]:
@@ -431,7 +433,7 @@ def plot(res: dict, path: str, window_s: float) -> str:
             color=colors[e["name"]],
         )
     bottom.set_ylabel(f"SLO attainment ({window_s:g} s window)")
-    bottom.set_xlabel("request arrival, s since the start of the load")
+    bottom.set_xlabel("s since the start of the load (attainment: by request arrival)")
     bottom.set_ylim(-0.05, 1.05)
     bottom.legend(loc="lower left", fontsize=8)
     for ax in (top, bottom):

@@ -14,8 +14,10 @@ Each sample is read as two pressures against the deployment's SLOs, 1.0 meaning 
 The policy, for a deployment of `n` workers:
 
 - colocated, decode missing its SLO while there is prefill work (prompts queued, or computed
-  lately in steps that decodes shared): prefills stall the decodes that share their steps, so
-  split (1 prefill worker, `n - 1` decode);
+  lately in steps that decodes shared) and prefill has headroom: prefills stall the decodes that
+  share their steps, so split (1 prefill worker, `n - 1` decode);
+- split, both phases missing their SLOs: back to colocated, where every worker gives its cores to
+  whichever phase has work (a split only helps when one phase has capacity to spare);
 - split, prefill missing its SLO while decode has headroom: move a decode worker to prefill, or
   back to colocated when only one decode worker is left (then every worker prefills);
 - split, decode missing its SLO (or its KV cache nearly full) while prefill has headroom: move a
@@ -104,12 +106,15 @@ def wish(split: Split, s: LoadSample, slo: PhaseSLO) -> tuple[Split, str] | None
     n = p + d
     pre, dec = pressures(s, slo)
     if p == 0:
-        if n >= 2 and dec >= HIGH and s.prefill_work:
+        if n >= 2 and dec >= HIGH and pre < LOW and s.prefill_work:
             return (1, n - 1), (
                 f"decode pressure {dec:.2f} with prompts to compute ({s.queued_prefill_tokens} "
-                f"queued, {s.prefill_tokens_on_decoders} lately): prefills stall colocated decodes"
+                f"queued, {s.prefill_tokens_on_decoders} lately) and prefill headroom "
+                f"({pre:.2f}): prefills stall colocated decodes"
             )
         return None
+    if pre >= HIGH and (dec >= HIGH or s.kv_usage >= KV_FULL):
+        return (0, n), f"both phases over their SLOs (prefill {pre:.2f}, decode {dec:.2f})"
     if pre >= HIGH and dec < LOW:
         new = (p + 1, d - 1) if d > 1 else (0, n)
         return new, f"prefill pressure {pre:.2f}, decode headroom ({dec:.2f})"

@@ -34,6 +34,10 @@ def decode_heavy(t):  # no prompts waiting, decode slow
     return LoadSample(t, 0, 0.0, 0.13, 0.5, 1.0, 0.7)
 
 
+def overloaded(t):  # prompts wait too long and decodes miss TPOT
+    return LoadSample(t, 6000, 5.0, 0.14, 0.5, 0.4, 0.5)
+
+
 def run(ctrl, samples):
     return [d for d in map(ctrl.observe, samples) if d is not None]
 
@@ -76,6 +80,15 @@ def test_step_change_to_prefill_heavy_goes_back_to_colocated():
     decisions = run(ctrl, [calm(t) for t in range(10)] + [prefill_heavy(t) for t in range(10, 20)])
     assert [(d.t, d.new) for d in decisions] == [(12, (0, 2))]
     assert "prefill pressure" in decisions[0].reason
+
+
+def test_both_phases_over_their_slos_go_colocated_and_stay():
+    """A split helps only when one phase has capacity to spare: with both missing, colocated
+    workers give every core to whichever phase has work, and they do not split again."""
+    ctrl = PDController(3, SLO, start=(1, 2), patience=2, min_dwell_s=0)
+    decisions = run(ctrl, [overloaded(t) for t in range(20)])
+    assert [d.new for d in decisions] == [(0, 3)]
+    assert "both phases" in decisions[0].reason
 
 
 def test_more_workers_move_one_at_a_time():
