@@ -60,7 +60,8 @@ class DisaggConfig:
         30.0,
         flag="kv-transfer-timeout",
         metavar="SECONDS",
-        help="recompute on the decode worker if the KV has not arrived by then",
+        help="recompute on the decode worker if the KV has not arrived this long after the "
+        "request was routed (the prefill worker's queue and compute included)",
         checks=(POSITIVE,),
     )
     min_prompt_tokens: int = setting(

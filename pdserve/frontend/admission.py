@@ -86,7 +86,11 @@ class TTFTPredictor:
             return Verdict(True)
         target = min(targets)
         predicted = self.predict(num_tokens, priority, rate)
-        if predicted is None or predicted <= target * (1 + self.margin) or not self._ahead(priority):
+        if (
+            predicted is None
+            or predicted <= target * (1 + self.margin)
+            or not self._ahead(priority)
+        ):
             return Verdict(True, predicted, target)
         return Verdict(False, predicted, target, max(1, math.ceil(predicted - target)))
 

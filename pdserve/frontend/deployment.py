@@ -124,8 +124,10 @@ class Deployment:
                 self.metrics.forget_role(wid, w.role)
             w.role = role
             self.router.set_role(wid, role)
-        if changes and self.metrics is not None:
-            self.metrics.set_roles(self.pool.live())
+        if changes:
+            self.load.on_switch()
+            if self.metrics is not None:
+                self.metrics.set_roles(self.pool.live())
 
     async def control_loop(self, interval_s: float = 1.0) -> None:
         while True:

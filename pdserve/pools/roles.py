@@ -54,6 +54,14 @@ class LoadObserver:
     def on_finish(self, ttft_s: float | None, tpot_s: float | None) -> None:
         self.finished.append((self.clock(), ttft_s, tpot_s))
 
+    def on_switch(self) -> None:
+        """The split changed: what was measured under the old one no longer describes the
+        deployment (without this, the controller would judge a new split by requests that ran
+        under the old one, and switch back one dwell time later)."""
+        self.finished.clear()
+        self.prefill_on_decoders.clear()
+        self.decode_steps.clear()
+
     def _prune(self, now: float) -> None:
         for window in (self.finished, self.prefill_on_decoders):
             while window and now - window[0][0] > self.window_s:
@@ -167,7 +175,12 @@ class RoleManager:
                 {"id": w.worker_id, "role": str(w.role), "alive": w.alive} for w in workers
             ],
             "decisions": [
-                {"old": describe(d.old), "new": describe(d.new), "reason": d.reason}
+                {
+                    "old": describe(d.old),
+                    "new": describe(d.new),
+                    "reason": d.reason,
+                    "age_s": round(time.monotonic() - d.t, 3),  # how long ago it was made
+                }
                 for d in self.decisions
             ],
         }

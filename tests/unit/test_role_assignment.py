@@ -83,3 +83,17 @@ def test_auto_tick_follows_the_controller():
     changes = m.tick(workers(B, B, running=[(0, 4)]), obs.sample(800, 0.2))
     assert changes == {0: D, 1: P}
     assert "stall" in m.decisions[-1].reason
+
+
+def test_a_switch_starts_the_load_window_afresh():
+    """Requests finished under the old split do not judge the new one."""
+    now = [0.0]
+    load = LoadObserver(PhaseSLO(1.0, 0.1), clock=lambda: now[0])
+    load.on_finish(5.0, 0.5)  # late on both counts
+    load.on_decode_step(0, 0.3)
+    assert load.attainment() == (0.0, 0.0)
+    load.on_switch()
+    assert load.attainment() == (None, None)
+    assert load.sample(0, 0.0).decode_step_s is None
+    load.on_finish(0.5, 0.05)
+    assert load.attainment() == (1.0, 1.0)
