@@ -11,41 +11,42 @@ The load: three consecutive stretches of `--stretch-s` seconds each (default 100
 ignore_eos) from the shared traces (../shared/traces):
 
   prefill-heavy  azure_code_2023.csv rows 0.. : prompts <= 1024 tokens (p50 1024), outputs <= 16
-                 (p50 14, mean 12); `--prefill-rate`, default 0.4 req/s
+                 (p50 14, mean 12); `--prefill-rate`, default 0.43 req/s
   decode-heavy   azure_conv_2023.csv rows 2000.. : prompts <= 128 tokens, outputs exactly 256;
-                 `--decode-rate`, default 0.22 req/s
+                 `--decode-rate`, default 0.31 req/s
   mixed          azure_conv_2023.csv rows 0.. (the load of disagg_bench.py): prompts <= 1024,
-                 outputs <= 128; `--mixed-rate`, default 0.25 req/s
+                 outputs <= 128; `--mixed-rate`, default 0.28 req/s
 
 Each request is tagged with its stretch; stretch k's arrivals start at k * stretch_s and are
 drawn from (`--seed`, the stretch's kind), so the same seed gives the same requests to every
 deployment. Default rates: 85% of the throughput colocated-chunked reached on each stretch's
-first 16 requests sent at once (`--probe`; 2026-12-01 on this 2-core machine, shared with other
-jobs but quiet while measured: prefill-heavy 0.485 req/s, decode-heavy 0.265, mixed 0.289). A
-burst ends with a tail of few running requests, so this is a lower bound of what the deployment
-sustains: the load sits near, not beyond, its capacity.
+first 16 requests sent at once (`--probe`, oneDNN; 2026-12-01 on this 2-core machine, quiet while
+measured: prefill-heavy 0.506 req/s, decode-heavy 0.363, mixed 0.332). A burst ends with a tail
+of few running requests, so this is a lower bound of what the deployment sustains: the load sits
+near, not beyond, its capacity.
 
 Four deployments of the same model (default: a random llama-125m, float32), each started as
 `pdserve serve` on a free port, run one after another on the very same requests (all with
-`--linear-backend torch` unless `--linear-backend` says otherwise):
+`--linear-backend onednn` unless `--linear-backend` says otherwise):
 
   colocated-chunked  --cpus 0-1 --max-num-batched-tokens 256 (one worker, both cores)
   static-1p1d        --prefill-workers 1 --decode-workers 1 --prefill-cpus 0 --decode-cpus 1
-  two-colocated      --decode-workers 2 --decode-cpus 0 --decode-cpus 1 (two colocated workers
-                     behind the router, one core each)
-  auto               static-1p1d's command plus --pd-ratio auto --slo <the --slo's TTFT and
+  two-colocated      --decode-workers 2 --decode-cpus 0 --decode-cpus 1
+                     --max-num-batched-tokens 256 (two colocated workers behind the router, one
+                     core each)
+  auto               static-1p1d's command plus --max-num-batched-tokens 256 --pd-ratio auto --slo <the --slo's TTFT and
                      TPOT> --pd-min-dwell-s 10: the P:D controller moves the split between
                      1P+1D and 2 colocated workers as the load shifts
 
 While a switchable deployment runs, GET /deployment is polled every `--poll-s` (1 s): the split
 over time and every decision (from, to, reason; its time is that of the first poll that showed
-it, the server keeps none).
+it; /deployment also reports each decision's age).
 
 SLOs, stated before any run: `--slo` (default ttft_ms=2000,tpot_ms=150, `pdserve bench --slo`'s
 format) for every stretch but those given their own with `--stretch-slo NAME=SPEC`. By default
 the prefill-heavy stretch gets ttft_ms=5000 and no TPOT target: on this machine a 1024-token
-prompt alone takes 2.6 s to prefill on two cores and 4.5 s on one (F.linear; measured on
-2026-12-01, ~40% slower than the figures of docs/PERFORMANCE.md), so 2 s is out of any split's
+prompt alone takes 2.6 s to prefill on two cores and 4.5 s on one (F.linear, measured on
+2026-12-01; oneDNN prefills about as fast), so 2 s is out of any split's
 reach there, and an answer of at most 16 tokens is read whole: its pace between tokens is not
 what its reader waits for (`--stretch-slo prefill-heavy=` judges it by `--slo` too). Each
 request is judged by its stretch's SLO; the auto deployment's controller steers by `--slo`'s
@@ -110,15 +111,15 @@ CODE_TRACE = TRACE.parent / "azure_code_2023.csv"
 DEFAULT_SLO = "ttft_ms=2000,tpot_ms=150"
 # a 1024-token prompt takes 4.5 s to prefill on one core, 2.6 s on two; answers <= 16 tokens
 DEFAULT_STRETCH_SLOS = {"prefill-heavy": "ttft_ms=5000"}
-DEFAULT_RATES = {"prefill-heavy": 0.4, "decode-heavy": 0.22, "mixed": 0.25}
+DEFAULT_RATES = {"prefill-heavy": 0.43, "decode-heavy": 0.31, "mixed": 0.28}
 # first trace row of each stretch: decode-heavy and mixed both read the conversation trace
 FIRST_ROW = {"prefill-heavy": 0, "decode-heavy": 2000, "mixed": 0}
 
 
 def deployments(a, model: str) -> dict[str, list[str]]:
     m = ["--model", model, "--linear-backend", a.linear_backend]
-    multi = ["--max-num-batched-tokens", str(a.multi_worker_budget)]
-    multi = multi if a.multi_worker_budget else []
+    # workers that decode chunk prompts alike (a prefill-only worker keeps the default budget)
+    multi = ["--max-num-batched-tokens", str(a.budget)]
     split = ["--prefill-workers", "1", "--decode-workers", "1"]
     split += ["--prefill-cpus", "0", "--decode-cpus", "1"]
     two = ["--decode-cpus", "0", "--decode-cpus", "1"]
@@ -378,19 +379,15 @@ def main() -> None:
         "--budget",
         type=int,
         default=256,
-        help="--max-num-batched-tokens of colocated-chunked",
-    )
-    p.add_argument(
-        "--multi-worker-budget",
-        type=int,
-        default=0,
-        help="--max-num-batched-tokens of two-colocated and auto (default 0: the server's)",
+        help="--max-num-batched-tokens of colocated-chunked and of the workers of two-colocated "
+        "and auto (static-1p1d keeps the default: its decode worker never prefills)",
     )
     p.add_argument(
         "--linear-backend",
-        default="torch",
-        help="--linear-backend of every deployment (default torch: `auto` picks oneDNN for a "
-        "single colocated worker but F.linear for several workers, which would confound them)",
+        default="onednn",
+        help="--linear-backend of every deployment (default onednn, the fastest kernel here; "
+        "`auto` would pick oneDNN for a single colocated worker but F.linear for several "
+        "workers, which would confound the comparison)",
     )
     p.add_argument("--pd-min-dwell-s", type=float, default=10.0, help="auto's --pd-min-dwell-s")
     p.add_argument("--poll-s", type=float, default=1.0, help="GET /deployment every this long")

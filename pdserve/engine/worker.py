@@ -253,11 +253,7 @@ class Worker:
     def _state(self) -> WorkerState:
         sched = self.core.scheduler
         st = sched.stats()
-        queued = sum(
-            r.num_tokens - r.num_computed_tokens
-            for r in (*sched.waiting, *sched.running)
-            if r.num_output_tokens == 0
-        )
+        queued = sched.queued_prefill_tokens()
         return WorkerState(
             st.num_running,
             st.num_waiting + len(sched.remote.waiting),

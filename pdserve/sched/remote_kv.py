@@ -18,7 +18,6 @@ returns every block exactly once.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -78,7 +77,7 @@ class RemoteKV:
         request.num_computed_tokens = request.num_tokens
         self.kv.publish_blocks(request, request.num_tokens)
         request.append_output_token(first_token)
-        now = time.perf_counter()
+        now = self.sched.clock()
         request.metrics.first_token_time = now
         request.metrics.token_times.append(now)
         request.kv_role = None

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
@@ -73,9 +73,15 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.config = config
         self.kv = kv
+        self.clock = clock  # the simulator (pdserve.planner) runs it on simulated time
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -113,7 +119,7 @@ class Scheduler:
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request that is off the running and waiting lists; its blocks go back."""
         request.status = status
-        request.metrics.finished_time = time.perf_counter()
+        request.metrics.finished_time = self.clock()
         self.kv.free(request)
         del self.requests[request.request_id]
 
@@ -174,7 +180,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        now = time.perf_counter()
+        now = self.clock()
         self._order_waiting(now)
         reserve = self._prefill_reserve(budget)
         # prefill_first: one token of the budget stays with each running decode
@@ -276,7 +282,7 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Advance the counters by the computed tokens, append sampled tokens (one per sampling
         request, in plan order), and finish requests that hit EOS, a stop token or a length."""
-        now = time.perf_counter()
+        now = self.clock()
         outputs: list[EngineCoreOutput] = []
         for rid, (start, scored) in (prompt_logprobs or {}).items():
             request = self.requests.get(rid)
@@ -356,6 +362,15 @@ class Scheduler:
         if request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute (waiting requests and prompts mid-prefill): the load
+        signal the router balances prefill work by."""
+        return sum(
+            r.num_tokens - r.num_computed_tokens
+            for r in (*self.waiting, *self.running)
+            if r.num_output_tokens == 0
+        )
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(

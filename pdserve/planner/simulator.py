@@ -1,0 +1,344 @@
+"""A discrete-event simulation of a deployment, driving the real scheduling code (no torch).
+
+Each simulated worker is the engine's own `Scheduler` and `KVCacheManager` (with `RemoteKV` for
+the two ends of a prefill/decode handoff); requests are placed by the frontend's own `Router`;
+with `--pd-ratio auto` the roles are set by the real `RoleManager` and `PDController`, fed by the
+real `LoadObserver`. Only the forward pass is replaced: a step takes the time the profile's step
+model gives for its shape (`planner.step_model`), and samples a token that ends nothing (every
+output runs to its length, as `pdserve bench` forces it). Everything runs on a simulated clock
+that the schedulers and the controller read.
+
+The events: a request arrives (the router places it); a worker ends a step (its outputs reach
+the client at once; it starts its next step if it has work); a prompt's KV reaches its decode
+worker (the last layer's transfer after the prefill: layers ship while later ones compute); the
+P:D controller samples the load (every second). A handoff follows the engine's protocol: the
+decode worker reserves blocks (`RemoteKV.reserve`), the prefill worker computes the prompt and
+the first token (which the client sees then), the KV arrives, the decode worker decodes on.
+
+What is not modelled: the frontend's own time (tokenizing, detokenizing, HTTP), message
+latencies between processes, KV transfer fallbacks and failures, preemption's recompute being
+cheaper than a first prefill (the prefix cache is modelled, so recompute hits cached blocks as it
+does for real).
+
+The result is the same list of `RequestRecord`s as `pdserve bench` writes, so its summary and
+`pdserve bench compare` read a simulated run like a measured one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pdserve.bench.metrics import COMPLETED, RequestRecord
+from pdserve.bench.workload import RequestSpec
+from pdserve.config import DisaggConfig, EngineArgs, worker_specs
+from pdserve.disagg.router import Router
+from pdserve.kv.manager import KVCacheManager
+from pdserve.planner.profile import Profile
+from pdserve.planner.step_model import StepShape
+from pdserve.pools.pd_controller import PDController, PhaseSLO
+from pdserve.pools.roles import LoadObserver, RoleManager
+from pdserve.pools.roles import Worker as RoleView
+from pdserve.request import Request
+from pdserve.sched.scheduler import Scheduler, SchedulerOutput
+from pdserve.types import KVRole, RequestStatus, Role, RoleControl, SamplingParams
+
+TOKEN = 3  # what every simulated step samples: no request has an EOS, so nothing stops early
+MOONCAKE_BLOCK_TOKENS = 512  # a Mooncake trace's hash ids name blocks of this many tokens
+CONTROL_INTERVAL_S = 1.0  # how often the P:D controller samples the load (as the server does)
+
+
+@dataclass
+class StepRecord:
+    """One simulated step of one worker (the step log)."""
+
+    worker_id: int
+    start_s: float
+    duration_s: float
+    scheduled: list[tuple[str, int]]  # (request id, tokens computed)
+
+
+@dataclass
+class SimWorker:
+    worker_id: int
+    role: Role
+    scheduler: Scheduler
+    size: int  # threads or devices
+    predict: Callable[[StepShape], float]
+    plan: SchedulerOutput | None = None
+    step_start: float = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.plan is not None
+
+
+@dataclass
+class _Live:
+    """A request in flight: its record and its token ids."""
+
+    record: RequestRecord
+    prompt: list[int]
+    num_tokens: int = 0
+    decode_worker: int | None = None
+    prefill_worker: int | None = None
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    steps: list[StepRecord]
+    decisions: list[dict] = field(default_factory=list)  # role switches (auto)
+    end_s: float = 0.0
+
+
+class Simulation:
+    def __init__(
+        self,
+        profile: Profile,
+        engine: EngineArgs,
+        disagg: DisaggConfig | None = None,
+        *,
+        max_model_len: int,
+        threads_per_worker: int = 1,
+        transport: str | None = None,
+        step_time: Callable[[SimWorker, StepShape], float] | None = None,
+    ) -> None:
+        """`threads_per_worker` sizes a worker without a CPU set (one with `--*-cpus` counts its
+        CPUs). `step_time(worker, shape)` replaces the profile's step models (tests replay a
+        recorded step log with it)."""
+        self.profile = profile
+        self.disagg = disagg = disagg or DisaggConfig()
+        self.now = 0.0
+        self.transport = transport or str(disagg.kv_transport)
+        self.events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self.workers: list[SimWorker] = []
+        kv_bytes_per_block = engine.block_size * profile.kv_bytes_per_token
+        for wid, (role, args, cpus) in enumerate(worker_specs(engine, disagg)):
+            cache = args.cache_config()
+            num_blocks = cache.num_blocks or cache.memory_bytes // kv_bytes_per_block
+            kv = KVCacheManager(num_blocks, args.block_size, cache.enable_prefix_caching)
+            sched = Scheduler(args.scheduler_config(max_model_len), kv, clock=self.clock)
+            size = _num_cpus(cpus) if cpus else threads_per_worker
+            model = profile.step_model(size)
+            worker = SimWorker(wid, role, sched, size, model.predict)
+            if step_time is not None:
+                worker.predict = lambda shape, w=worker: step_time(w, shape)
+            self.workers.append(worker)
+        self.block_size = engine.block_size
+        self.max_model_len = max_model_len
+        self.router = Router(engine.block_size, disagg.min_prompt_tokens)
+        for w in self.workers:
+            self.router.add_worker(w.worker_id, w.role, w.scheduler.kv.num_free_blocks())
+        self.live: dict[str, _Live] = {}
+        self.finished: list[_Live] = []
+        self.steps: list[StepRecord] = []
+        self.slo = PhaseSLO.parse(disagg.slo)
+        self.load = LoadObserver(self.slo, clock=self.clock)
+        self.roles: RoleManager | None = None
+        if disagg.pd_ratio == RoleControl.AUTO:
+            start = (disagg.num_prefill_workers, disagg.num_decode_workers)
+            controller = PDController(
+                disagg.num_workers, self.slo, start=start, min_dwell_s=disagg.pd_min_dwell_s
+            )
+            self.roles = RoleManager(RoleControl.AUTO, controller)
+        self.decisions: list[dict] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    # ---- events ----------------------------------------------------------------------------
+    def at(self, t: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self.events, (t, next(self._seq), action))
+
+    def run(self, requests: Sequence[RequestSpec]) -> SimResult:
+        for spec in requests:
+            self.at(spec.send_at_s, lambda spec=spec: self._arrive(spec))
+        if self.roles is not None and requests:
+            self.at(CONTROL_INTERVAL_S, self._control)
+        while self.events:
+            self.now, _, action = heapq.heappop(self.events)
+            action()
+        records = sorted((x.record for x in self.finished), key=lambda r: r.index)
+        return SimResult(records, self.steps, self.decisions, self.now)
+
+    def _arrive(self, spec: RequestSpec) -> None:
+        prompt = prompt_ids(spec, self.max_model_len)
+        output_len = max(1, min(spec.output_len, self.max_model_len - len(prompt)))
+        record = RequestRecord(
+            spec.index,
+            spec.input_len,
+            spec.output_len,
+            len(prompt),
+            t_scheduled=spec.send_at_s,
+            t_arrive=self.now,
+            prompt_tokens=len(prompt),
+        )
+        rid = f"r{spec.index}"
+        live = self.live[rid] = _Live(record, prompt)
+        self.load.on_arrival(rid)
+        route = self.router.route(prompt)
+        live.decode_worker = route.decode_id
+        decode = self.workers[route.decode_id]
+        request = self._request(rid, prompt, output_len)
+        if route.prefill_id is not None:
+            live.prefill_worker = route.prefill_id
+            request.kv_role = KVRole.RECEIVE
+        decode.scheduler.add_request(request)
+        self._wake(decode)
+
+    def _request(self, rid: str, prompt: list[int], output_len: int) -> Request:
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        return Request(rid, list(prompt), params, output_len, arrival_time=self.now)
+
+    def _wake(self, worker: SimWorker) -> None:
+        """Start the worker's next step if it is idle and has something to compute."""
+        if worker.busy:
+            return
+        plan = worker.scheduler.schedule()
+        for reserved in worker.scheduler.remote.take_reservations():
+            self._send_to_prefill(reserved)
+        if plan.is_empty:
+            return
+        q_lens, ctx_lens = [], []
+        for item in plan.scheduled:
+            q_lens.append(item.num_new_tokens)
+            ctx_lens.append(item.request.num_computed_tokens + item.num_new_tokens)
+        num_sampled = sum(item.sample for item in plan.scheduled)
+        duration = worker.predict(StepShape.of(q_lens, ctx_lens, num_sampled))
+        worker.plan, worker.step_start = plan, self.now
+        self.steps.append(
+            StepRecord(
+                worker.worker_id,
+                self.now,
+                duration,
+                [(i.request.request_id, i.num_new_tokens) for i in plan.scheduled],
+            )
+        )
+        self.at(self.now + duration, lambda: self._step_done(worker))
+
+    def _send_to_prefill(self, reserved: Request) -> None:
+        live = self.live[reserved.request_id]
+        prefill = self.workers[live.prefill_worker]
+        request = self._request(reserved.request_id, live.prompt, reserved.max_tokens)
+        request.kv_role = KVRole.SEND
+        prefill.scheduler.add_request(request)
+        self._wake(prefill)
+
+    def _step_done(self, worker: SimWorker) -> None:
+        plan, worker.plan = worker.plan, None
+        sched = worker.scheduler
+        sampled = [TOKEN] * sum(item.sample for item in plan.scheduled)
+        outputs = sched.update(plan, sampled)
+        step_s = self.now - worker.step_start
+        if plan.num_decode_tokens:
+            self.load.on_decode_step(worker.worker_id, step_s)
+        if plan.num_prefill_tokens and worker.role.decodes:
+            self.load.on_prefill_on_decoder(plan.num_prefill_tokens)
+        handed_off = {r.request_id for r in sched.remote.take_handed_off()}
+        for out in outputs:
+            live = self.live.get(out.request_id)
+            if live is None:
+                continue
+            self._tokens(live, len(out.new_token_ids))
+            if out.request_id in handed_off:  # the prompt is done: its KV goes to decode
+                self._ship_kv(worker, out.request_id)
+            elif out.finish_reason is not None:
+                self._finish(live)
+                if live.prefill_worker == worker.worker_id:  # it ended at its first token
+                    decode = self.workers[live.decode_worker]
+                    decode.scheduler.finish_requests(
+                        [out.request_id], RequestStatus.FINISHED_ABORTED
+                    )
+                    self._wake(decode)
+        self.router.report(
+            worker.worker_id, sched.kv.num_free_blocks(), sched.queued_prefill_tokens()
+        )
+        self._wake(worker)
+
+    def _ship_kv(self, prefill: SimWorker, rid: str) -> None:
+        live = self.live[rid]
+        num_bytes = len(live.prompt) * self.profile.kv_bytes_per_token
+        delay = self.profile.transfer(self.transport).exposed_seconds(
+            num_bytes, self.profile.num_layers
+        )
+        decode = self.workers[live.decode_worker]
+
+        def arrive() -> None:
+            out = decode.scheduler.remote.finish_remote(rid, TOKEN)
+            if out is not None and out.finish_reason is not None:
+                self._finish(live)
+            self._wake(decode)
+
+        self.at(self.now + delay, arrive)
+
+    def _tokens(self, live: _Live, n: int) -> None:
+        record = live.record
+        for _ in range(n):
+            record.token_times.append(self.now)
+        if n and record.t_first is None:
+            record.t_first = self.now
+            self.load.on_first_output(f"r{record.index}")
+        live.num_tokens += n
+
+    def _finish(self, live: _Live) -> None:
+        record = live.record
+        record.t_end = self.now
+        record.status = COMPLETED
+        record.completion_tokens = live.num_tokens
+        del self.live[f"r{record.index}"]
+        self.finished.append(live)
+        self.load.on_finish(record.ttft, record.tpot)
+
+    # ---- the P:D controller ------------------------------------------------------------------
+    def _control(self) -> None:
+        view = [
+            RoleView(
+                w.worker_id,
+                w.role,
+                True,
+                len(w.scheduler.running),
+                w.scheduler.queued_prefill_tokens(),
+            )
+            for w in self.workers
+        ]
+        queued = sum(v.queued_prefill_tokens for v in view)
+        kv = max((w.scheduler.kv.usage for w in self.workers if w.role.decodes), default=0.0)
+        changes = self.roles.tick(view, self.load.sample(queued, kv))
+        for wid, role in changes.items():
+            self.workers[wid].role = role
+            self.router.set_role(wid, role)
+        if changes:
+            self.load.on_switch()
+            d = self.roles.decisions[-1]
+            self.decisions.append({"t": self.now, "reason": d.reason, "new": list(d.new)})
+        if self.live or any(t > self.now for t, _, _ in self.events):
+            self.at(self.now + CONTROL_INTERVAL_S, self._control)
+
+
+def prompt_ids(spec: RequestSpec, max_model_len: int) -> list[int]:
+    """Token ids standing for a request's prompt: from its trace's block hash ids where it has
+    them (requests sharing a block share its tokens, so the prefix cache finds them), else
+    unique to the request. At most `max_model_len - 1` tokens."""
+    n = min(spec.input_len, max_model_len - 1)
+    if spec.hash_ids:
+        ids = [
+            (h + 1) * MOONCAKE_BLOCK_TOKENS + j
+            for h in spec.hash_ids
+            for j in range(MOONCAKE_BLOCK_TOKENS)
+        ]
+        ids += [-(spec.index + 1) * (10**6) - j for j in range(max(0, n - len(ids)))]
+        return ids[:n]
+    return [-(spec.index + 1) * (10**6) - j for j in range(n)]
+
+
+def _num_cpus(cpus: str) -> int:
+    """'0-3,6' -> 5."""
+    n = 0
+    for part in cpus.split(","):
+        lo, _, hi = part.partition("-")
+        n += int(hi or lo) - int(lo) + 1
+    return n

@@ -1,0 +1,131 @@
+"""How long one engine step takes, from what the step computes (no torch).
+
+A step is described by its `StepShape`: the new tokens and the context of every scheduled
+sequence, and how many of them sample. Two models turn a shape into seconds:
+
+- `LinearStepModel`, fitted to steps measured on this machine (`pdserve profile`):
+
+      t = overhead + per_token * T + per_pair * A + per_kv_token * K + per_sample * S
+
+  with T the tokens computed, A the (query, key) pairs attended (`perf.cost.attention_pairs`),
+  K the context tokens read from the KV cache and S the rows that sample. On a CPU the overhead
+  is mostly the weights read once per step (decode is bandwidth-bound), T the matrix products'
+  work, A and K the attention's. Coefficients are fitted by least squares and kept >= 0.
+- `AnalyticStepModel`, for hardware that is not here: the step's FLOPs and bytes
+  (`perf.cost.step_cost`) against datasheet peaks scaled by efficiency factors, plus a fixed
+  overhead: `t = overhead + max(flops / (peak * mfu), bytes / (bandwidth * mbu))`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from pdserve.perf.cost import ModelShape, attention_pairs, step_cost
+
+TERMS = ("overhead", "per_token", "per_pair", "per_kv_token", "per_sample")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computes: sequence j computes q_lens[j] new tokens and holds ctx_lens[j]
+    tokens after the step; `num_sampled` rows sample."""
+
+    q_lens: tuple[int, ...]
+    ctx_lens: tuple[int, ...]
+    num_sampled: int
+
+    @classmethod
+    def of(cls, q_lens: Sequence[int], ctx_lens: Sequence[int], num_sampled: int) -> StepShape:
+        return cls(tuple(q_lens), tuple(ctx_lens), num_sampled)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+    def features(self) -> np.ndarray:
+        """The linear model's regressors, in `TERMS` order."""
+        pairs = sum(attention_pairs(q, c) for q, c in zip(self.q_lens, self.ctx_lens))
+        return np.array(
+            [1.0, self.num_tokens, pairs, sum(self.ctx_lens), self.num_sampled], dtype=np.float64
+        )
+
+
+@dataclass(frozen=True)
+class LinearStepModel:
+    """Seconds per unit of each term of `TERMS` (see the module docstring)."""
+
+    overhead: float
+    per_token: float
+    per_pair: float
+    per_kv_token: float
+    per_sample: float
+
+    def predict(self, shape: StepShape) -> float:
+        return float(np.dot(self.coefficients, shape.features()))
+
+    @property
+    def coefficients(self) -> np.ndarray:
+        return np.array([getattr(self, t) for t in TERMS], dtype=np.float64)
+
+    @classmethod
+    def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float]) -> LinearStepModel:
+        """Least squares on relative error (each step weighs by 1/t, so a 5 ms decode step
+        counts as much as a 2 s prefill), with every coefficient kept >= 0: a term that comes
+        out negative is dropped and the rest refitted."""
+        if len(shapes) != len(seconds) or not shapes:
+            raise ValueError("fit needs one measured time per step shape, and at least one")
+        x = np.stack([s.features() for s in shapes])
+        y = np.asarray(seconds, dtype=np.float64)
+        if (y <= 0).any():
+            raise ValueError("step times must be > 0")
+        w = 1.0 / y
+        active = list(range(len(TERMS)))
+        while True:
+            coef, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+            if (coef >= 0).all() or len(active) == 1:
+                break
+            del active[int(np.argmin(coef))]
+        full = np.zeros(len(TERMS))
+        full[active] = np.maximum(coef, 0.0)
+        return cls(*full.tolist())
+
+    def to_dict(self) -> dict:
+        return {"kind": "linear", **asdict(self)}
+
+
+@dataclass(frozen=True)
+class AnalyticStepModel:
+    """A roofline with efficiency factors (datasheet hardware)."""
+
+    shape: ModelShape
+    peak_flops: float  # FLOP/s of the step's dtype
+    bandwidth: float  # bytes/s
+    mfu: float = 0.5  # the share of peak FLOP/s a compute-bound step reaches
+    mbu: float = 0.7  # the share of peak bandwidth a bandwidth-bound step reaches
+    overhead: float = 0.003  # seconds of launch and scheduling per step
+
+    def predict(self, shape: StepShape) -> float:
+        cost = step_cost(self.shape, shape.q_lens, shape.ctx_lens, shape.num_sampled)
+        compute = cost.flops / (self.peak_flops * self.mfu)
+        memory = cost.total_bytes / (self.bandwidth * self.mbu)
+        return self.overhead + max(compute, memory)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        return {"kind": "analytic", **d}
+
+
+StepModel = LinearStepModel | AnalyticStepModel
+
+
+def step_model_from_dict(d: dict) -> StepModel:
+    d = dict(d)
+    kind = d.pop("kind")
+    if kind == "linear":
+        return LinearStepModel(**{t: float(d[t]) for t in TERMS})
+    if kind == "analytic":
+        return AnalyticStepModel(ModelShape(**d.pop("shape")), **d)
+    raise ValueError(f"unknown step model kind {kind!r}")
