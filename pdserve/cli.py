@@ -19,6 +19,9 @@ COMMANDS = {
     "generate": "pdserve.commands.generate",
     "make-model": "pdserve.commands.make_model",
     "profile-hardware": "pdserve.commands.profile_hardware",
+    "profile": "pdserve.commands.profile",
+    "simulate": "pdserve.commands.simulate",
+    "plan": "pdserve.commands.plan",
 }
 
 HELP = {
@@ -27,6 +30,9 @@ HELP = {
     "generate": "generate text offline and print a per-phase timing summary",
     "make-model": "write a random-weight Hugging Face model folder (for tests and benchmarks)",
     "profile-hardware": "measure this machine's peak FLOP/s and memory bandwidth (cached)",
+    "profile": "measure step times on this machine for a model (the simulator's cost model)",
+    "simulate": "simulate a deployment on a workload with a step-time profile (no model run)",
+    "plan": "rank deployments of a device budget by simulated goodput per device",
 }
 
 

@@ -106,9 +106,12 @@ def prefill_count(report: dict) -> int:
 
 def new_decisions(seen: list[dict], now: list[dict]) -> list[dict]:
     """Decisions in `now` (the server's last few, oldest first) not already in `seen`: the
-    longest tail of `seen` that `now` starts with is what both hold."""
+    longest tail of `seen` that `now` starts with is what both hold (compared without their
+    `age_s`, which grows from one poll to the next)."""
+    now = [{k: v for k, v in d.items() if k != "age_s"} | {"_age": d.get("age_s")} for d in now]
+    key = lambda ds: [{k: v for k, v in d.items() if k != "_age"} for d in ds]  # noqa: E731
     for k in range(min(len(seen), len(now)), 0, -1):
-        if now[:k] == seen[-k:]:
+        if key(now[:k]) == key(seen[-k:]):
             return now[k:]
     return list(now)
 
@@ -116,9 +119,8 @@ def new_decisions(seen: list[dict], now: list[dict]) -> list[dict]:
 class DeploymentPoller:
     """Polls GET /deployment every `every_s` in a thread: `samples` (time, split, prefill
     workers, roles) and `decisions` (time first seen, from, to, reason). Times are seconds since
-    `t0` (a `time.perf_counter()` reading: the start of the load). The server keeps no time
-    with a decision, so a decision's time is that of the first poll that showed it (at most
-    `every_s` late)."""
+    `t0` (a `time.perf_counter()` reading: the start of the load). A decision's time is the poll's
+    less the age the server gives it."""
 
     def __init__(self, base_url: str, every_s: float = 1.0) -> None:
         self.url = base_url + "/deployment"
@@ -151,8 +153,9 @@ class DeploymentPoller:
         )
         fresh = new_decisions(self._seen, rep.get("decisions", []))
         for d in fresh:
+            made = t - d["_age"] if d.get("_age") is not None else t  # the server's age of it
             self.decisions.append(
-                {"t": round(t, 3), "from": d["old"], "to": d["new"], "reason": d["reason"]}
+                {"t": round(made, 3), "from": d["old"], "to": d["new"], "reason": d["reason"]}
             )
         self._seen.extend(fresh)
         self._seen = self._seen[-200:]

@@ -93,6 +93,32 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
         "--request-timeout", type=float, default=600.0, metavar="S", help="per request (600)"
     )
 
+    add_workload_arguments(p)
+
+    g = p.add_argument_group("report")
+    g.add_argument(
+        "--slo",
+        help="latency targets, e.g. ttft_ms=500,tpot_ms=50[,e2e_ms=10000,max_itl_ms=300]",
+    )
+    g.add_argument("--sweep-rates", metavar="R1,R2,...", help="run once per request rate")
+    g.add_argument(
+        "--target-attainment",
+        type=float,
+        default=0.9,
+        help="sweeps: SLO attainment the reported max rate must keep (0.9)",
+    )
+    g.add_argument("--output", metavar="FILE", help="write the summary and every request as JSON")
+    g.add_argument("--plot", metavar="DIR", help="write PNG plots (CDFs; for sweeps, vs rate)")
+    g.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: when stderr is a terminal)",
+    )
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The workload flags (random lengths or a trace, arrivals): `bench` and `simulate`."""
     g = p.add_argument_group("workload")
     g.add_argument(
         "--dataset", choices=["random"], help="random lengths (the default without --trace)"
@@ -138,27 +164,6 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     g.add_argument("--seed", type=int, default=0, help="seed of lengths, arrivals and prompts (0)")
 
-    g = p.add_argument_group("report")
-    g.add_argument(
-        "--slo",
-        help="latency targets, e.g. ttft_ms=500,tpot_ms=50[,e2e_ms=10000,max_itl_ms=300]",
-    )
-    g.add_argument("--sweep-rates", metavar="R1,R2,...", help="run once per request rate")
-    g.add_argument(
-        "--target-attainment",
-        type=float,
-        default=0.9,
-        help="sweeps: SLO attainment the reported max rate must keep (0.9)",
-    )
-    g.add_argument("--output", metavar="FILE", help="write the summary and every request as JSON")
-    g.add_argument("--plot", metavar="DIR", help="write PNG plots (CDFs; for sweeps, vs rate)")
-    g.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="progress bar on stderr (default: when stderr is a terminal)",
-    )
-
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.bench.progress import Interrupt
@@ -175,17 +180,39 @@ def _make_plan(args: argparse.Namespace) -> BenchPlan:
     from pdserve.bench.metrics import Slo
     from pdserve.bench.runner import BenchPlan
     from pdserve.bench.sweep import parse_rates
-    from pdserve.bench.traces import read_trace
-    from pdserve.bench.workload import WorkloadConfig, make_specs
 
-    if args.trace and args.dataset:
-        raise ValueError("--dataset and --trace: choose one")
     if not 0 <= args.target_attainment <= 1:
         raise ValueError(f"--target-attainment {args.target_attainment}: must be in [0, 1]")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency {args.max_concurrency}: must be >= 1")
     if not (args.request_timeout > 0 and math.isfinite(args.request_timeout)):
         raise ValueError(f"--request-timeout {args.request_timeout}: must be > 0")
+    workload, specs = workload_from(args)
+    return BenchPlan(
+        workload=workload,
+        specs=specs,
+        trace=args.trace,
+        endpoint=endpoint_name(args.endpoint),
+        slo=Slo.parse(args.slo),
+        sweep_rates=parse_rates(args.sweep_rates) if args.sweep_rates else None,
+        target_attainment=args.target_attainment,
+        max_concurrency=args.max_concurrency,
+        api_key=args.api_key,
+        temperature=args.temperature,
+        force_output_len=args.force_output_len,
+        extra_body=_parse_extra_body(args.extra_body),
+        timeout_s=args.request_timeout,
+        show_progress=args.progress,
+    )
+
+
+def workload_from(args: argparse.Namespace):
+    """The `WorkloadConfig` and the request specs of the workload flags."""
+    from pdserve.bench.traces import read_trace
+    from pdserve.bench.workload import WorkloadConfig, make_specs
+
+    if args.trace and args.dataset:
+        raise ValueError("--dataset and --trace: choose one")
     workload = WorkloadConfig(
         num_requests=args.num_requests,
         input_len=args.input_len,
@@ -201,22 +228,7 @@ def _make_plan(args: argparse.Namespace) -> BenchPlan:
         seed=args.seed,
     )
     trace = read_trace(args.trace) if args.trace else None
-    return BenchPlan(
-        workload=workload,
-        specs=make_specs(workload, trace),
-        trace=args.trace,
-        endpoint=endpoint_name(args.endpoint),
-        slo=Slo.parse(args.slo),
-        sweep_rates=parse_rates(args.sweep_rates) if args.sweep_rates else None,
-        target_attainment=args.target_attainment,
-        max_concurrency=args.max_concurrency,
-        api_key=args.api_key,
-        temperature=args.temperature,
-        force_output_len=args.force_output_len,
-        extra_body=_parse_extra_body(args.extra_body),
-        timeout_s=args.request_timeout,
-        show_progress=args.progress,
-    )
+    return workload, make_specs(workload, trace)
 
 
 def _parse_extra_body(text: str | None) -> dict:

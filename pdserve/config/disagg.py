@@ -61,7 +61,8 @@ class DisaggConfig:
         flag="kv-transfer-timeout",
         metavar="SECONDS",
         help="recompute on the decode worker if the KV has not arrived this long after the "
-        "request was routed (the prefill worker's queue and compute included)",
+        "request was routed, or once the prefill worker has it, after that worker last "
+        "reported a step (a busy prefill worker keeps its queue)",
         checks=(POSITIVE,),
     )
     min_prompt_tokens: int = setting(

@@ -13,6 +13,11 @@ The protocol, for one core request routed to decode worker D and prefill worker 
 3. D reports `kv_received` (`on_kv_received`) and decodes on. D's tokens are held until P's first
    token has been delivered (`accept`), so the client sees them in order.
 
+The deadline of a handoff is `kv_transfer_timeout_s` after it starts, and once P has the
+request, that long after P last showed progress (`on_progress`: any step it reports): a busy P
+with a long queue keeps its requests, a P that has stopped stepping (hung, or lost a message)
+does not.
+
 Failures: no KV by the deadline (`check_deadlines`) or a dead P (`on_prefill_death`) make D
 recompute the prompt after any token the client already has (a *fallback*), or, with the `fail`
 policy and a dead P, end the request with 503. A dead D (`on_decode_death`) ends its requests.
@@ -109,6 +114,14 @@ class HandoffCoordinator:
         )
         h.sent_to_prefill = True
         self.sent_to.setdefault(h.prefill_id, set()).add(core_id)
+
+    def on_progress(self, prefill_id: int) -> None:
+        """P reported a step: its requests still waiting for their KV get a new deadline."""
+        deadline = self.clock() + self.kv_transfer_timeout_s
+        for core_id in self.sent_to.get(prefill_id, ()):
+            h = self.handoffs.get(core_id)
+            if h is not None and h.prefill_id == prefill_id:
+                h.deadline = max(h.deadline, deadline)
 
     def on_kv_received(self, core_id: str, first_token: int) -> None:
         h = self.handoffs.get(core_id)

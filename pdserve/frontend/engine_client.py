@@ -185,6 +185,7 @@ class EngineClient:
         if self.metrics is not None:
             self.metrics.on_step(worker, msg)
         self.deployment.on_step(worker, msg)
+        self.handoffs.on_progress(worker.worker_id)
         for r in msg.reservations:
             self.handoffs.on_reservation(
                 worker.worker_id, r.request_id, r.block_ids, r.num_cached_tokens

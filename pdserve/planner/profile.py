@@ -84,3 +84,47 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+# Assumed transfer paths between workers of a GPU deployment (an analytic profile states them).
+GPU_TRANSFERS = {
+    "nvlink": TransferModel(latency_s=20e-6, bytes_per_s=300e9),  # within a node
+    "rdma": TransferModel(latency_s=50e-6, bytes_per_s=40e9),  # across nodes, 400 Gb/s NIC
+}
+
+
+def analytic_profile(
+    hf_config: dict,
+    device: str,
+    *,
+    dtype: str = "bfloat16",
+    mfu: float = 0.5,
+    mbu: float = 0.7,
+    overhead_s: float = 0.003,
+) -> Profile:
+    """A profile of one GPU per worker from its datasheet: a roofline whose compute and bandwidth
+    peaks are scaled by `mfu` and `mbu`, plus a fixed overhead per step. Not measured: the
+    profile says so, and which factors it assumed."""
+    from pdserve.perf.cost import DTYPE_BYTES, ModelShape
+    from pdserve.perf.datasheets import datasheet
+    from pdserve.planner.step_model import AnalyticStepModel
+
+    sheet = datasheet(device)
+    shape = ModelShape.from_hf_config(hf_config, dtype_bytes=DTYPE_BYTES[dtype])
+    model = AnalyticStepModel(shape, sheet.peak_flops(dtype), sheet.bandwidth, mfu, mbu, overhead_s)
+    return Profile(
+        kind="analytic",
+        description=f"{hf_config.get('_name_or_path') or 'model'} ({dtype}) on one {sheet.label} "
+        "per worker (datasheet)",
+        kv_bytes_per_token=shape.kv_bytes_per_token,
+        num_layers=shape.num_layers,
+        step_models={1: model},
+        transfers=dict(GPU_TRANSFERS),
+        notes=[
+            f"analytic, not measured: {sheet.label} datasheet peaks "
+            f"({sheet.peak_flops(dtype) / 1e12:.0f} TFLOP/s {dtype}, "
+            f"{sheet.bandwidth / 1e9:.0f} GB/s) at MFU {mfu:.0%} / MBU {mbu:.0%}, "
+            f"{overhead_s * 1e3:.1f} ms per step",
+            "KV transfers assumed: nvlink 300 GB/s, rdma 40 GB/s (per prefill-decode pair)",
+        ],
+    )

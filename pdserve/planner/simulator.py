@@ -69,6 +69,7 @@ class SimWorker:
     predict: Callable[[StepShape], float]
     plan: SchedulerOutput | None = None
     step_start: float = 0.0
+    wake_pending: bool = False
 
     @property
     def busy(self) -> bool:
@@ -195,7 +196,16 @@ class Simulation:
         return Request(rid, list(prompt), params, output_len, arrival_time=self.now)
 
     def _wake(self, worker: SimWorker) -> None:
+        """Let the worker start its next step at the current time, once every other event of
+        this instant has been applied (requests arriving together are scheduled together, as
+        a real worker reads every queued message before it schedules)."""
+        if not worker.wake_pending:
+            worker.wake_pending = True
+            self.at(self.now, lambda: self._start_step(worker))
+
+    def _start_step(self, worker: SimWorker) -> None:
         """Start the worker's next step if it is idle and has something to compute."""
+        worker.wake_pending = False
         if worker.busy:
             return
         plan = worker.scheduler.schedule()

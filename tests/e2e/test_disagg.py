@@ -291,10 +291,9 @@ def test_transfer_timeout_falls_back_to_local_recompute(stories_path, offline):
         stories_path,
         "--prefill-workers",
         "1",
-        *CHUNK,
         "--kv-transfer-timeout",
-        "0.3",  # the injected delay makes the prefill take over 1.2 s
-        env=SLOW_PREFILL,
+        "0.3",  # the prefill worker's one step takes over 1 s: no progress reported meanwhile
+        env={FAULT_PREFILL_DELAY: "1.0"},
     )
     try:
         got = completion(s, STORY)

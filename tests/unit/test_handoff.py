@@ -128,6 +128,31 @@ def test_deadline_recomputes_and_tells_the_live_writer_to_stop():
     assert w.fallbacks == ["timeout"]
 
 
+def test_a_prefill_worker_that_keeps_stepping_keeps_its_requests():
+    """A long queue on a busy prefill worker is no reason to recompute; silence is."""
+    w = World()
+    w.start()
+    w.reserve()
+    for t in (4.0, 8.0, 12.0):  # P reports a step every 4 s (timeout 5 s)
+        w.now = t
+        w.h.on_progress(P)
+        assert w.h.check_deadlines() == []
+    w.h.on_progress(D)  # another worker's progress extends nothing
+    w.now = 16.9
+    assert w.h.check_deadlines() == []
+    w.now = 17.1  # 5 s since P last reported a step
+    assert w.h.check_deadlines() == ["c"] and w.fallbacks == ["timeout"]
+
+
+def test_progress_before_the_prefill_worker_has_the_request_extends_nothing():
+    w = World()
+    w.start()  # waiting for the decode worker's reservation
+    w.now = 4.0
+    w.h.on_progress(P)
+    w.now = 5.1
+    assert w.h.check_deadlines() == ["c"]
+
+
 def test_deadline_after_the_first_token_resumes_after_it():
     w = World()
     w.start()

@@ -1,0 +1,214 @@
+"""How close the simulator comes to measured serving: the same requests, run and simulated.
+
+    pdserve profile --model DIR --linear-backend onednn --output prof.json    # ~5 minutes
+    python benchmarks/sim_accuracy_bench.py --profile prof.json --output acc.json   # ~30 minutes
+    python benchmarks/sim_accuracy_bench.py --reanalyze acc.json
+
+For each workload x deployment, the requests are sent to `pdserve serve` (as disagg_bench.py
+does: a random llama-125m by default, float32, one deployment at a time on a quiet machine) and
+the very same requests (the prompt lengths the server counted, the arrival times, the output
+lengths) go through `pdserve simulate`'s simulation of the same deployment, built from the same
+serve flags and the profile. Reported: TTFT and TPOT p50 and p90, measured and simulated, and
+the relative error of each (simulated / measured - 1); the simulator's speed (simulated requests
+per second of wall time).
+
+Workloads (`--workloads`), Poisson arrivals at `--rate` with `--seed`, lengths clipped:
+
+  conv      azure_conv_2023.csv: prompts <= 1024, outputs <= 128
+  code      azure_code_2023.csv: prompts <= 1024 (mostly long), outputs <= 32
+  mooncake  mooncake_conversation.jsonl, lengths x `--mooncake-scale` (prompts share prefixes
+            by their block hash ids, so the prefix cache matters), prompts <= 1024, outputs <= 128
+
+Deployments (`--deployments`), all with `--linear-backend` (default onednn, which the profile
+must have been measured with):
+
+  colocated-chunked  --cpus 0-1 --max-num-batched-tokens 256
+  colocated-nochunk  --cpus 0-1 --no-chunked-prefill
+  disagg-1p1d        --prefill-workers 1 --decode-workers 1 --prefill-cpus 0 --decode-cpus 1
+
+Each measured run waits for a quiet machine (no other benchmark, test or pdserve process) and
+runs again when disturbed, as the other serving benchmarks do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.machine import code_info, machine_info  # noqa: E402
+from lib.paths import DEFAULT_125M, TRACE, ensure_125m  # noqa: E402
+from lib.quiet import measured  # noqa: E402
+from lib.server import Server, send  # noqa: E402
+
+from pdserve.bench.metrics import RequestRecord, latency_stats  # noqa: E402
+from pdserve.bench.tokenizer import HFPromptTokenizer, load_tokenizer  # noqa: E402
+from pdserve.bench.traces import read_trace  # noqa: E402
+from pdserve.bench.workload import RequestSpec, WorkloadConfig, build_prompts, make_specs  # noqa: E402
+from pdserve.cli import parse_args  # noqa: E402
+from pdserve.commands.flags import from_args  # noqa: E402
+from pdserve.commands.serve import disagg_config_from  # noqa: E402
+from pdserve.config import EngineArgs, ModelConfig  # noqa: E402
+from pdserve.planner.profile import Profile  # noqa: E402
+from pdserve.planner.simulator import Simulation  # noqa: E402
+
+TRACES = {
+    "conv": (TRACE, 1.0, 1024, 128),
+    "code": (TRACE.parent / "azure_code_2023.csv", 1.0, 1024, 32),
+    "mooncake": (TRACE.parent / "mooncake_conversation.jsonl", None, 1024, 128),
+}
+FIGURES = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("tpot_ms", "p50"), ("tpot_ms", "p90"))
+
+
+def deployments(backend: str) -> dict[str, list[str]]:
+    b = ["--linear-backend", backend]
+    return {
+        "colocated-chunked": [*b, "--cpus", "0-1", "--max-num-batched-tokens", "256"],
+        "colocated-nochunk": [*b, "--cpus", "0-1", "--no-chunked-prefill"],
+        "disagg-1p1d": [
+            *b, "--prefill-workers", "1", "--decode-workers", "1",
+            "--prefill-cpus", "0", "--decode-cpus", "1",
+        ],
+    }  # fmt: skip
+
+
+def workload(name: str, a, tok):
+    path, scale, max_in, max_out = TRACES[name]
+    scale = a.mooncake_scale if scale is None else scale
+    wl = WorkloadConfig(
+        num_requests=a.num_requests, length_scale=scale, max_input_len=max_in,
+        max_output_len=max_out, request_rate=a.rate, seed=a.seed,
+    )  # fmt: skip
+    specs = make_specs(wl, read_trace(path))
+    return specs, build_prompts(specs, tok, a.seed)
+
+
+def simulate(serve_args: list[str], model: str, specs, records, profile: Profile):
+    """The simulated records of the same requests: prompt lengths as the server counted them,
+    the measured run's send times."""
+    _, args = parse_args(["serve", "--model", model, *serve_args])
+    engine = from_args(EngineArgs, args)
+    disagg = disagg_config_from(args)
+    by_index = {r.index: r for r in records}
+    same = []
+    for s in specs:
+        r = by_index[s.index]
+        n = r.prompt_tokens or r.prompt_len
+        same.append(RequestSpec(s.index, r.t_arrive, n, s.output_len, s.hash_ids))
+    max_len = ModelConfig.from_pretrained(model).max_model_len
+    t0 = time.perf_counter()
+    result = Simulation(profile, engine, disagg, max_model_len=max_len).run(same)
+    return result.records, time.perf_counter() - t0
+
+
+def figures(records: list[RequestRecord]) -> dict:
+    done = [r for r in records if r.status == "completed"]
+    return {
+        "ttft_ms": latency_stats(r.ttft for r in done),
+        "tpot_ms": latency_stats(r.tpot for r in done),
+        "completed": len(done),
+    }
+
+
+def compare(measured_f: dict, sim_f: dict) -> dict:
+    out = {}
+    for metric, p in FIGURES:
+        m, s = measured_f[metric][p], sim_f[metric][p]
+        out[f"{metric}_{p}"] = None if not m or s is None else s / m - 1
+    return out
+
+
+def print_table(entries: list[dict]) -> None:
+    print("\n| workload | deployment | " + " | ".join(f"{m} {p}" for m, p in FIGURES) + " |")
+    print("| --- | --- |" + " --- |" * len(FIGURES))
+    for e in entries:
+        cells = []
+        for metric, p in FIGURES:
+            m, s = e["measured"][metric][p], e["simulated"][metric][p]
+            err = e["error"][f"{metric}_{p}"]
+            cells.append(f"{m:.0f} / {s:.0f} ({err:+.0%})" if err is not None else "-")
+        print(f"| {e['workload']} | {e['deployment']} | " + " | ".join(cells) + " |")
+    errs = [abs(v) for e in entries for v in e["error"].values() if v is not None]
+    if errs:
+        within = sum(v <= 0.15 for v in errs) / len(errs)
+        print(
+            f"\n(measured / simulated ms (error)). |error| median {sorted(errs)[len(errs) // 2]:.0%}, "
+            f"max {max(errs):.0%}; {within:.0%} of the figures within 15%"
+        )
+    speed = [e["sim_requests_per_s"] for e in entries]
+    print(f"simulator speed: {min(speed):.0f}-{max(speed):.0f} simulated requests / s of wall time")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", help="profile JSON (pdserve profile) of the same engine settings")
+    p.add_argument("--model", help=f"model folder (default: random llama-125m in {DEFAULT_125M})")
+    p.add_argument("--workloads", default="conv,code,mooncake")
+    p.add_argument("--deployments", default="colocated-chunked,colocated-nochunk,disagg-1p1d")
+    p.add_argument("--num-requests", type=int, default=40)
+    p.add_argument("--rate", type=float, default=0.25, help="req/s (default 0.25)")
+    p.add_argument("--mooncake-scale", type=float, default=0.05, help="length scale (0.05)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--linear-backend", default="onednn")
+    p.add_argument("--attempts", type=int, default=2)
+    p.add_argument("--output", help="write everything (per-request records too) as JSON")
+    p.add_argument("--reanalyze", metavar="FILE", help="print the table of a saved --output")
+    a = p.parse_args()
+    if a.reanalyze:
+        print_table(json.loads(Path(a.reanalyze).read_text())["entries"])
+        return
+    if not a.profile:
+        p.error("--profile is required (pdserve profile --model DIR --output FILE)")
+    profile = Profile.load(a.profile)
+    model = a.model or ensure_125m(DEFAULT_125M)
+    tok = HFPromptTokenizer(load_tokenizer(model))
+    workdir = Path(tempfile.mkdtemp(prefix="sim_accuracy-"))
+    print(f"logs in {workdir}\nprofile: {profile.description}")
+    deps = deployments(a.linear_backend)
+    entries = []
+    for wname in a.workloads.split(","):
+        specs, prompts = workload(wname, a, tok)
+        for dname in a.deployments.split(","):
+            serve_args = ["--model", model, *deps[dname]]
+            print(f"\n== {wname} x {dname} ==", flush=True)
+
+            def run(serve_args=serve_args, wname=wname, dname=dname, prompts=prompts):
+                with Server(serve_args, workdir / f"{wname}-{dname}.log") as srv:
+                    return send(prompts, srv.base_url, model)
+
+            records, meta = measured(run, f"{wname}-{dname}", a.attempts)
+            sim_records, wall = simulate(deps[dname], model, specs, records, profile)
+            entry = {
+                "workload": wname,
+                "deployment": dname,
+                "serve": serve_args,
+                "meta": meta,
+                "measured": figures(records),
+                "simulated": figures(sim_records),
+                "sim_wall_s": wall,
+                "sim_requests_per_s": len(specs) / wall if wall else None,
+                "records": [r.to_dict() for r in records],
+                "sim_records": [r.to_dict() for r in sim_records],
+            }
+            entry["error"] = compare(entry["measured"], entry["simulated"])
+            entries.append(entry)
+            print_table([entry])
+    print_table(entries)
+    if a.output:
+        res = {
+            "machine": machine_info(),
+            "code": code_info(),
+            "args": vars(a),
+            "profile": profile.to_dict(),
+            "entries": entries,
+        }
+        Path(a.output).write_text(json.dumps(res, indent=1))
+        print(f"wrote {a.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""`pdserve profile`: measure this machine's step-time model for a model folder.
+
+Writes the profile JSON that `pdserve simulate` (and the planner) read: a fitted step-time model
+per thread count and KV transfer rates (see pdserve/perf/step_profile.py for what runs). The
+engine flags are `pdserve serve`'s, so the profile is of the engine a deployment would run
+(`--linear-backend`, `--dtype`, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+HELP = "measure step times on this machine for a model (the simulator's cost model)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from pdserve.commands.engine_args import add_engine_arguments
+
+    g = p.add_argument_group("profile")
+    g.add_argument("--output", metavar="FILE", required=True, help="profile JSON to write")
+    g.add_argument(
+        "--threads",
+        help="thread counts to measure, e.g. 1,2 (default: 1 and every CPU this process may use)",
+    )
+    g.add_argument("--repeats", type=int, default=2, help="times each scenario runs (default 2)")
+    add_engine_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.commands.engine_args import engine_args_from
+
+    engine = engine_args_from(args)
+    if args.analytic:
+        return _analytic(args, engine)
+    allowed = len(os.sched_getaffinity(0))
+    try:
+        threads = sorted({int(t) for t in args.threads.split(",")}) if args.threads else None
+    except ValueError:
+        raise ValueError(f"invalid --threads={args.threads!r}: expected e.g. 1,2") from None
+    threads = threads or sorted({1, allowed})
+    if args.repeats < 1:
+        raise ValueError(f"invalid --repeats {args.repeats}: must be >= 1")
+    from pdserve.perf.step_profile import measure_profile
+
+    profile = measure_profile(engine, threads, repeats=args.repeats)
+    profile.save(args.output)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _analytic(args: argparse.Namespace, engine) -> int:
+    import json
+    from pathlib import Path
+
+    from pdserve.planner.profile import analytic_profile
+
+    for name in ("mfu", "mbu"):
+        if not 0 < getattr(args, name) <= 1:
+            raise ValueError(f"invalid --{name} {getattr(args, name)}: must be in (0, 1]")
+    config = json.loads((Path(engine.model) / "config.json").read_text())
+    dtype = "bfloat16" if engine.dtype == "auto" else engine.dtype
+    profile = analytic_profile(config, args.analytic, dtype=dtype, mfu=args.mfu, mbu=args.mbu)
+    profile.save(args.output)
+    print("\n".join(profile.notes))
+    print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,205 @@
+"""Measure a step-time profile on this machine (`pdserve profile`): the simulator's cost model.
+
+For each thread count, an `EngineCore` of the model (pinned to that many of the allowed CPUs)
+runs a fixed set of scenarios that together cover the step shapes serving produces: prefills of
+one chunk from an empty context (16 to 1024 tokens), a long prompt in chunks (context growing
+to 2048), decode batches of 1 to 32 sequences at short and long contexts, and decodes sharing
+their steps with prefill chunks (mixed steps). Every step's shape (`StepShape`, taken from the
+scheduler's plan) and wall time (`EngineCore.step`: schedule, forward, sample, update) is
+recorded, and a `LinearStepModel` is fitted per thread count; the fit's error on the measured
+steps is printed and kept in the profile's notes. KV transfers: `shm` is a copy into shared
+memory, so its rate is this machine's measured copy bandwidth; `tcp` is measured by sending
+1 MiB frames over a loopback ZMQ socket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from pdserve.config import EngineArgs
+from pdserve.engine.core import EngineCore
+from pdserve.perf.cost import ModelShape
+from pdserve.perf.hardware import cpu_model
+from pdserve.planner.profile import Profile, TransferModel
+from pdserve.planner.step_model import LinearStepModel, StepShape
+from pdserve.types import SamplingParams
+
+Sample = tuple[StepShape, float]
+
+
+def measure_profile(
+    args: EngineArgs,
+    threads: Sequence[int],
+    *,
+    repeats: int = 2,
+    log: Callable[[str], None] = print,
+) -> Profile:
+    """Measure and fit a profile for each thread count in `threads`."""
+    allowed = sorted(os.sched_getaffinity(0))
+    models, notes = {}, []
+    shape = ModelShape.from_hf_config(_hf_config(args.model))
+    kv_bytes_per_token = 0
+    for n in threads:
+        if n > len(allowed):
+            raise ValueError(f"invalid thread count {n}: only {len(allowed)} CPUs are allowed")
+        os.sched_setaffinity(0, allowed[:n])
+        try:
+            core = EngineCore(dataclasses.replace(args, num_threads=n))
+            kv_bytes_per_token = core.runner.kv_bytes_per_block // core.runner.block_size
+            samples = run_scenarios(core, repeats, log=lambda m, n=n: log(f"[{n} thread(s)] {m}"))
+        finally:
+            os.sched_setaffinity(0, allowed)
+        model = LinearStepModel.fit([s for s, _ in samples], [t for _, t in samples])
+        err = _fit_error(model, samples)
+        models[n] = model
+        note = (
+            f"{n} thread(s) on CPUs {allowed[:n]}: {len(samples)} steps, fit error "
+            f"median {err[0]:.1%}, p90 {err[1]:.1%}"
+        )
+        notes.append(note)
+        log(note)
+    copy_bw = _copy_bandwidth()
+    transfers = {"shm": TransferModel(0.0005, copy_bw), "tcp": _tcp_transfer()}
+    notes.append(
+        f"shm: copy bandwidth {copy_bw / 1e9:.1f} GB/s; tcp: loopback "
+        f"{transfers['tcp'].bytes_per_s / 1e9:.2f} GB/s; latency 0.5 ms assumed for shm"
+    )
+    return Profile(
+        kind="measured",
+        description=f"{args.model} ({args.dtype}, {args.linear_backend} kernels) on {cpu_model()}",
+        kv_bytes_per_token=kv_bytes_per_token or shape.kv_bytes_per_token,
+        num_layers=shape.num_layers,
+        step_models=models,
+        transfers=transfers,
+        notes=notes,
+    )
+
+
+def run_scenarios(core: EngineCore, repeats: int, log=print) -> list[Sample]:
+    """Drive `core` through the scenarios; every step's (shape, seconds)."""
+    rng = random.Random(0)
+    vocab = core.model_config.vocab_size
+    max_len = core.max_model_len
+    samples: list[Sample] = []
+    counter = iter(range(10**9))
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(min(n, max_len - 64))]
+
+    def add(n_prompt: int, max_tokens: int) -> None:
+        rid = f"p{next(counter)}"
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        core.add_request(core.make_request(rid, prompt(n_prompt), params))
+
+    def run(budget: int, chunk: int = 0, until=None) -> None:
+        sched = core.scheduler
+        sched.config = dataclasses.replace(
+            sched.config, max_num_batched_tokens=budget, long_prefill_token_threshold=chunk
+        )
+        while sched.has_unfinished and (until is None or not until()):
+            samples.extend(_timed_step(core))
+
+    run(256)  # warm-up: kernels built, caches touched (not kept)
+    add(64, 4)
+    run(256)
+    samples.clear()
+    for r in range(repeats):
+        for q in (16, 64, 128, 256, 512, 1024):  # one chunk from an empty context
+            add(q, 1)
+            run(4096)
+        add(2048, 1)  # a long prompt in 256-token chunks: attention over a growing context
+        run(256, 256)
+        for ctx in (64, 512):
+            for batch in (1, 2, 4, 8, 16, 32):  # decode batches
+                for _ in range(batch):
+                    add(ctx, 12)
+                run(8192)
+        for batch in (4, 16):  # decodes sharing their steps with prompt chunks
+            for _ in range(batch):
+                add(128, 40)
+            run(8192, until=lambda: all(r.num_output_tokens > 0 for r in core.scheduler.running))
+            add(768, 1)
+            add(384, 1)
+            run(256 + batch, 256)
+        log(f"repeat {r + 1}/{repeats}: {len(samples)} steps")
+    return samples
+
+
+def _timed_step(core: EngineCore) -> list[Sample]:
+    shapes: list[StepShape] = []
+    schedule = core.scheduler.schedule
+
+    def recording():
+        plan = schedule()
+        if not plan.is_empty:
+            q = [i.num_new_tokens for i in plan.scheduled]
+            ctx = [i.request.num_computed_tokens + i.num_new_tokens for i in plan.scheduled]
+            shapes.append(StepShape.of(q, ctx, sum(i.sample for i in plan.scheduled)))
+        return plan
+
+    core.scheduler.schedule = recording
+    try:
+        t0 = time.perf_counter()
+        core.step()
+        elapsed = time.perf_counter() - t0
+    finally:
+        del core.scheduler.schedule  # back to the class's method
+    return [(shapes[0], elapsed)] if shapes else []
+
+
+def _fit_error(model: LinearStepModel, samples: list[Sample]) -> tuple[float, float]:
+    errors = sorted(abs(model.predict(s) - t) / t for s, t in samples)
+    return statistics.median(errors), errors[int(0.9 * (len(errors) - 1))]
+
+
+def _copy_bandwidth(num_bytes: int = 256 << 20) -> float:
+    """Bytes per second of one large copy (the best of three)."""
+    src = np.ones(num_bytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = min(_seconds(lambda: np.copyto(dst, src)) for _ in range(3))
+    return num_bytes / best
+
+
+def _tcp_transfer(total: int = 64 << 20, frame: int = 1 << 20) -> TransferModel:
+    """A loopback ZMQ PUSH/PULL pair: one small frame for latency, then `total` bytes."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    try:
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push.connect(f"tcp://127.0.0.1:{port}")
+        payload = b"\0" * frame
+        push.send(b"x")
+        pull.recv()
+        latency = min(_seconds(lambda: (push.send(b"x"), pull.recv())) for _ in range(20))
+
+        def move():
+            for _ in range(total // frame):
+                push.send(payload, copy=False)
+                pull.recv(copy=False)
+
+        return TransferModel(latency, total / min(_seconds(move) for _ in range(2)))
+    finally:
+        push.close(0)
+        pull.close(0)
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _hf_config(model: str) -> dict:
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(model) / "config.json").read_text())
