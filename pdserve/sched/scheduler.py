@@ -8,8 +8,9 @@ will usually still be cached). Every path that ends a request returns its blocks
 
 Admission order is FCFS within a priority (`SamplingParams.priority`, lower first). A waiting
 request gains one priority level per `priority_aging_s` it has waited, so a low priority is
-delayed, never starved. With priorities in play, preemption takes the lowest-priority newest
-request.
+delayed, never starved. With priorities in play, running requests are served in the same order
+(an urgent prompt's chunk takes the budget before a lax one's) and preemption takes the
+lowest-priority newest request.
 
 Two settings serve interactive traffic (the chat profile):
 
@@ -182,6 +183,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         now = self.clock()
         self._order_waiting(now)
+        if any(r.sampling_params.priority for r in self.running):
+            self.running.sort(key=self._priority_key(now))  # urgent chunks take the budget first
         reserve = self._prefill_reserve(budget)
         # prefill_first: one token of the budget stays with each running decode
         decodes_left = (

@@ -94,6 +94,21 @@ def test_preemption_takes_the_least_urgent_request_when_priorities_differ():
     sched.kv.pool.check_whole()
 
 
+def test_an_urgent_prompt_in_prefill_takes_the_budget_before_a_lax_one():
+    sched = make_scheduler(budget=64, long_prefill_token_threshold=48)
+    lax = make_request("lax", num_prompt=200, priority=1, start=10)
+    urgent = make_request("urgent", num_prompt=200, priority=0, start=300)
+    sched.add_request(lax)
+    assert list(step(sched).items()) == [("lax", 48)]  # alone: it starts
+    sched.add_request(urgent)
+    # admitted behind the running one, then its chunk goes first
+    assert list(step(sched).items()) == [("lax", 48), ("urgent", 16)]
+    assert list(step(sched).items()) == [("urgent", 48), ("lax", 16)]
+    while sched.has_unfinished:
+        step(sched)
+    sched.kv.pool.check_whole()
+
+
 def test_prefill_first_schedules_a_new_prompt_before_a_long_prefill_and_keeps_decodes():
     def run(prefill_first: bool) -> dict[str, int]:
         sched = make_scheduler(
