@@ -117,8 +117,9 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_workload_arguments(p: argparse.ArgumentParser) -> None:
-    """The workload flags (random lengths or a trace, arrivals): `bench` and `simulate`."""
+def add_workload_arguments(p: argparse.ArgumentParser, seed: bool = True) -> None:
+    """The workload flags (random lengths or a trace, arrivals): `bench`, `simulate` and
+    `plan`. `seed=False`: the command has a --seed of its own (the engine's), used for both."""
     g = p.add_argument_group("workload")
     g.add_argument(
         "--dataset", choices=["random"], help="random lengths (the default without --trace)"
@@ -162,7 +163,10 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
         "--num-requests", type=int, help="requests to send (default: 200, or the whole trace)"
     )
     g.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
-    g.add_argument("--seed", type=int, default=0, help="seed of lengths, arrivals and prompts (0)")
+    if seed:
+        g.add_argument(
+            "--seed", type=int, default=0, help="seed of lengths, arrivals and prompts (0)"
+        )
 
 
 def run(args: argparse.Namespace) -> int:

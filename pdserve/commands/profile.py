@@ -24,6 +24,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="thread counts to measure, e.g. 1,2 (default: 1 and every CPU this process may use)",
     )
     g.add_argument("--repeats", type=int, default=2, help="times each scenario runs (default 2)")
+    g.add_argument(
+        "--analytic",
+        metavar="GPU",
+        help="write an analytic profile of one GPU per worker instead (e.g. H100, A100, L4: "
+        "datasheet peaks at --mfu and --mbu); nothing is measured and only config.json is read",
+    )
+    g.add_argument("--mfu", type=float, default=0.5, help="--analytic: MFU reached (0.5)")
+    g.add_argument("--mbu", type=float, default=0.7, help="--analytic: MBU reached (0.7)")
     add_engine_arguments(p)
 
 

@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     groups: Groups = {DISAGG_GROUP: p.add_argument_group(DISAGG_GROUP)}
     add_flags(p, DisaggConfig, DISAGG_GROUP, groups)
-    add_workload_arguments(p)
+    add_workload_arguments(p, seed=False)  # --seed (the engine's) seeds the workload too
 
 
 def run(args: argparse.Namespace) -> int:

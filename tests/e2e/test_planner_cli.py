@@ -1,0 +1,59 @@
+"""`pdserve profile`, `simulate` and `plan` from the command line, on the real tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def pdserve(*argv: str, timeout: float = 300) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+WORKLOAD = (
+    "--input-len",
+    "100",
+    "--output-len",
+    "20",
+    "--num-requests",
+    "20",
+    "--request-rate",
+    "4",
+)
+
+
+def test_an_analytic_profile_simulates_and_plans(stories_path, tmp_path):
+    prof = tmp_path / "h100.json"
+    text = pdserve("profile", "--model", stories_path, "--analytic", "H100", "--output", str(prof))
+    assert "analytic, not measured" in text
+    assert json.loads(prof.read_text())["kind"] == "analytic"
+    out = tmp_path / "sim.json"
+    text = pdserve("simulate", "--profile", str(prof), "--model", stories_path,
+                   "--prefill-workers", "1", *WORKLOAD, "--output", str(out))  # fmt: skip
+    assert "simulated" in text and "note: analytic profile" in text
+    result = json.loads(out.read_text())
+    assert result["summary"]["completed"] == 20 and len(result["requests"]) == 20
+    text = pdserve("plan", "--profile", str(prof), "--model", stories_path, "--devices", "2",
+                   "--chunk-sizes", "256", *WORKLOAD)  # fmt: skip
+    assert "recommended: pdserve serve" in text and "1P+1D" in text
+
+
+@pytest.mark.slow
+def test_a_measured_profile_fits_this_machine(stories_path, tmp_path):
+    prof = tmp_path / "stories.json"
+    text = pdserve("profile", "--model", stories_path, "--threads", "1", "--repeats", "1",
+                   "--output", str(prof))  # fmt: skip
+    assert "fit error" in text
+    d = json.loads(prof.read_text())
+    assert d["kind"] == "measured" and set(d["step_models"]) == {"1"}
+    assert d["step_models"]["1"]["overhead"] > 0 and d["transfers"]["shm"]["bytes_per_s"] > 0
