@@ -86,10 +86,11 @@ class Profile:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-# Assumed transfer paths between workers of a GPU deployment (an analytic profile states them).
+# Assumed transfer paths between workers of a GPU deployment, by the transport that would carry
+# them (an analytic profile states them): within a node over NVLink, across nodes over RDMA.
 GPU_TRANSFERS = {
-    "nvlink": TransferModel(latency_s=20e-6, bytes_per_s=300e9),  # within a node
-    "rdma": TransferModel(latency_s=50e-6, bytes_per_s=40e9),  # across nodes, 400 Gb/s NIC
+    "shm": TransferModel(latency_s=20e-6, bytes_per_s=300e9),  # within a node: NVLink
+    "tcp": TransferModel(latency_s=50e-6, bytes_per_s=40e9),  # across nodes: a 400 Gb/s NIC
 }
 
 
@@ -125,6 +126,7 @@ def analytic_profile(
             f"({sheet.peak_flops(dtype) / 1e12:.0f} TFLOP/s {dtype}, "
             f"{sheet.bandwidth / 1e9:.0f} GB/s) at MFU {mfu:.0%} / MBU {mbu:.0%}, "
             f"{overhead_s * 1e3:.1f} ms per step",
-            "KV transfers assumed: nvlink 300 GB/s, rdma 40 GB/s (per prefill-decode pair)",
+            "KV transfers assumed: within a node (--kv-transport shm) NVLink at 300 GB/s, across "
+            "nodes (tcp) RDMA at 40 GB/s, per prefill-decode pair",
         ],
     )

@@ -291,9 +291,11 @@ def test_transfer_timeout_falls_back_to_local_recompute(stories_path, offline):
         stories_path,
         "--prefill-workers",
         "1",
+        "--prefill-max-num-batched-tokens",
+        "32",  # STORY in 4 chunks, each step followed by a 0.5 s pause
         "--kv-transfer-timeout",
-        "0.3",  # the prefill worker's one step takes over 1 s: no progress reported meanwhile
-        env={FAULT_PREFILL_DELAY: "1.0"},
+        "0.3",  # less than a step: the prefill worker reports no progress in time
+        env={FAULT_PREFILL_DELAY: "0.5"},
     )
     try:
         got = completion(s, STORY)
