@@ -149,11 +149,9 @@ class Scheduler:
     def _priority_key(self, now: float):
         aging = self.config.priority_aging_s
 
-        def key(request: Request) -> tuple[float, float]:
-            waited = now - request.arrival_time
-            return request.sampling_params.priority - math.floor(
-                waited / aging
-            ), request.arrival_time
+        def key(request: Request) -> tuple[int, float]:
+            aged = math.floor((now - request.arrival_time) / aging)
+            return request.sampling_params.priority - aged, request.arrival_time
 
         return key
 
