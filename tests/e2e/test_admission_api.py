@@ -11,6 +11,7 @@ import httpx
 import pytest
 from server_harness import start_server, wait_until
 
+pytestmark = pytest.mark.slow  # a server of its own: keeps the default run under 5 minutes
 CONTEXT = 512  # stories260K
 BOS = 1
 
