@@ -58,9 +58,12 @@ def test_manual_switches_under_load_lose_nothing(stories_path, offline):
         r = switch(s, 1)  # mid-flight: running decodes finish where they are
         assert r.status_code == 200 and r.json()["split"] == "1P+1D", r.text
         threads += run_batch(s, prompts, results)  # these go through the handoff
-        for t in threads[: len(prompts)]:
-            t.join()
-        wait_until(lambda: s.metric("pdserve_num_requests_running") > 0, "second batch running")
+        # Back as soon as the handoff is in use: waiting for the first batch to finish first lost
+        # the race on a fast machine (the tiny model had finished the second batch too).
+        wait_until(
+            lambda: s.metric("pdserve_router_decisions_total", 'decision="remote"') > 0,
+            "a prompt routed to the prefill worker",
+        )
         assert switch(s, 0).json()["split"] == "2 colocated"  # and back, mid-flight again
         threads += run_batch(s, prompts, results)
         for t in threads:
