@@ -22,6 +22,7 @@ COMMANDS = {
     "profile": "pdserve.commands.profile",
     "simulate": "pdserve.commands.simulate",
     "plan": "pdserve.commands.plan",
+    "advise": "pdserve.commands.advise",
 }
 
 HELP = {
@@ -33,6 +34,7 @@ HELP = {
     "profile": "measure step times on this machine for a model (the simulator's cost model)",
     "simulate": "simulate a deployment on a workload with a step-time profile (no model run)",
     "plan": "rank deployments of a device budget by simulated goodput per device",
+    "advise": "say which phase limits a server (live, or from a pdserve bench JSON) and what to change",
 }
 
 

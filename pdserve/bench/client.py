@@ -110,6 +110,21 @@ def fetch_models(base_url: str, api_key: str | None = None, timeout_s: float = 1
     return [m for m in data if isinstance(m, dict) and "id" in m] if isinstance(data, list) else []
 
 
+def fetch_metrics(
+    base_url: str, api_key: str | None = None, timeout_s: float = 10.0
+) -> dict | None:
+    """GET /metrics, best effort: `{"t": monotonic seconds, "text": Prometheus text}`, or None
+    when the server has no such route or does not answer (a benchmark never fails for it)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(base_url + "/metrics", headers=headers, timeout=timeout_s, trust_env=False)
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200 or "text/plain" not in resp.headers.get("content-type", ""):
+        return None
+    return {"t": time.monotonic(), "text": resp.text}
+
+
 def resolve_target(
     base_url: str, model: str | None, tokenizer: str | None, api_key: str | None
 ) -> tuple[str, str]:

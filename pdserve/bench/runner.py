@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from pdserve.bench.client import ClientConfig, resolve_target, run_requests
+from pdserve.bench.client import ClientConfig, fetch_metrics, resolve_target, run_requests
 from pdserve.bench.errors import BenchError
 from pdserve.bench.metrics import COMPLETED, RequestRecord, Slo, summarize
 from pdserve.bench.progress import Interrupt, Progress
@@ -76,12 +76,16 @@ class RunResult:
     summary: dict
     interrupted: bool = False
     request_rate: float | None = None  # the rate it was sent at (sweeps), None: the workload's
+    # the server's /metrics just before and just after the run (`pdserve advise --bench` reads
+    # them), when it has that route
+    server_metrics: dict | None = None
 
     def to_dict(self) -> dict:
         return {
             "request_rate": self.request_rate,
             "interrupted": self.interrupted,
             "summary": self.summary,
+            "server_metrics": self.server_metrics,
             "requests": [r.to_dict() for r in self.records],
         }
 
@@ -189,11 +193,14 @@ def run_once(
         stop = interrupt.bind()
         return await run_requests(requests, client, max_concurrency, stop, progress.update)
 
+    before = fetch_metrics(client.base_url, client.api_key)
     try:
         records = asyncio.run(main())
     finally:
         progress.close()
-    return RunResult(records, summarize(records, slo), interrupt.requested, request_rate)
+    after = fetch_metrics(client.base_url, client.api_key) if before else None
+    scrapes = {"before": before, "after": after} if before and after else None
+    return RunResult(records, summarize(records, slo), interrupt.requested, request_rate, scrapes)
 
 
 def run_sweep(

@@ -24,6 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pdserve
 from pdserve.config import DisaggConfig, EngineArgs, ModelConfig, ServerConfig
 from pdserve.frontend import openai_format as fmt
+from pdserve.frontend.dashboard import Timeline
+from pdserve.frontend.dashboard import add_routes as add_dashboard_routes
 from pdserve.frontend.errors import (
     APIError,
     SafeJSONResponse,
@@ -141,6 +143,7 @@ def build_app(
 
             tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model)
         state = ServerState(engine_args, config, tokenizer, client)
+        state.timeline = Timeline(state.metrics.registry)
     except BaseException:
         client.kill()
         raise
@@ -151,9 +154,11 @@ def build_app(
         state.inputs.set_model_limits(state.client.info.max_model_len, state.client.info.vocab_size)
         for w in state.client.workers:
             state.metrics.set_worker_up(w, True)
+        sampler = asyncio.create_task(state.timeline.run(), name="pdserve-dashboard")
         try:
             yield
         finally:
+            sampler.cancel()
             await state.client.shutdown()
             state.inputs.close()
 
@@ -189,8 +194,9 @@ def build_app(
 
     @app.get("/deployment")
     async def deployment():
-        """Workers, their roles, and the last role switches with their reasons."""
-        return state.client.deployment.report()
+        """Workers, their roles, the last role switches with their reasons, the SLO and the
+        engine settings (what `pdserve advise` needs to be concrete)."""
+        return {**state.client.deployment.report(), **state.deployment_facts()}
 
     @app.post("/deployment")
     async def set_deployment(request: Request):
@@ -210,6 +216,8 @@ def build_app(
             return state.client.deployment.set_split(p)
         except ValueError as e:
             raise APIError(400, str(e), param="prefill_workers") from None
+
+    add_dashboard_routes(app, state)
 
     @app.get("/version")
     async def version():

@@ -1,8 +1,8 @@
 """The HTTP edge: API key, body and header size limits, before a request reaches a route.
 
 - `GuardMiddleware` (plain ASGI, so handlers still see the client's disconnect) checks the API key
-  in constant time on every route but `/health` and `/version` (and `/metrics` with
-  `public_metrics`), and answers 413 to a body over the limit, whether it announces its length or
+  in constant time on every route but `/health`, `/version` and the `/dashboard` page (its data
+  route needs the key; and `/metrics` with `public_metrics`), and answers 413 to a body over the limit, whether it announces its length or
   arrives chunked.
 - `GuardedH11Protocol` answers 431 to a request head over the limit (uvicorn's h11 would answer
   400).
@@ -23,7 +23,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pdserve.frontend.errors import error_body, error_response
 
-OPEN_PATHS = ("/health", "/version")
+OPEN_PATHS = ("/health", "/version", "/dashboard")  # the dashboard page holds no data
 DRAIN_BYTES_FACTOR = 4
 DRAIN_SECONDS = 5.0
 

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import contextlib
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 from pdserve.ipc.messages import StepOutputs
 from pdserve.types import RequestOutput, Role
@@ -58,6 +65,16 @@ class ServerMetrics:
         self.prefill = hist("request_prefill_time_seconds", "prefill time: first token - scheduled")
         self.decode = hist("request_decode_time_seconds", "decode time: finish - first token")
         self.step = hist("step_time_seconds", "engine step time", (*LABELS, "phase"))
+        self.scheduled = Counter(
+            "pdserve_scheduled_tokens",
+            "tokens computed in steps: kind=prefill (prompt tokens), kind=decode (one per "
+            "decoding sequence per step)",
+            (*LABELS, "kind"),
+            registry=r,
+        )
+        # The frontend's own CPU time (process_cpu_seconds_total, ...): a frontend-bound server
+        # shows one core busy here while its workers wait.
+        ProcessCollector(registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens", LABELS, registry=r)
         self.generation_tokens = Counter(
             "pdserve_generation_tokens", "generated tokens", LABELS, registry=r
@@ -191,6 +208,10 @@ class ServerMetrics:
         lab = (worker.role, str(worker.worker_id))
         for s in msg.steps:
             self.step.labels(*lab, s.phase).observe(s.step_time_s)
+            if s.num_prefill_tokens:
+                self.scheduled.labels(*lab, "prefill").inc(s.num_prefill_tokens)
+            if s.num_decode_seqs:
+                self.scheduled.labels(*lab, "decode").inc(s.num_decode_seqs)
             if s.mfu is not None:
                 self.mfu.labels(*lab, s.phase).set(s.mfu)
             if s.mbu is not None:

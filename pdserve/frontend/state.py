@@ -55,6 +55,19 @@ class ServerState:
         slo_s = client.deployment.slo.ttft_s if config.slo_admission else None
         self.ttft = TTFTPredictor(slo_s, config.admission_margin)
 
+    def deployment_facts(self) -> dict:
+        """The SLO and the engine settings the advisor reads (GET /deployment)."""
+        slo = self.client.deployment.slo
+        e = self.engine_args
+        return {
+            "slo": {"ttft_ms": slo.ttft_s * 1e3, "tpot_ms": slo.tpot_s * 1e3},
+            "settings": {
+                "max_num_batched_tokens": e.max_num_batched_tokens,
+                "max_num_seqs": e.max_num_seqs,
+                "enable_chunked_prefill": e.enable_chunked_prefill,
+            },
+        }
+
     # ---- input ----------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.engine_args.model):

@@ -217,7 +217,9 @@ def keyed(stories_path, tmp_path_factory):
 
 
 def test_with_an_api_key_everything_but_health_needs_it(keyed):
-    for path in ("/v1/models", "/metrics", "/docs", "/redoc", "/openapi.json"):
+    paths = ("/v1/models", "/metrics", "/docs", "/redoc", "/openapi.json", "/deployment",
+             "/dashboard/data")  # fmt: skip
+    for path in paths:
         assert httpx.get(keyed.url + path).status_code == 401, path
         auth = {"authorization": f"Bearer {KEY}"}
         assert httpx.get(keyed.url + path, headers=auth).status_code == 200, path
@@ -226,6 +228,8 @@ def test_with_an_api_key_everything_but_health_needs_it(keyed):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     health = httpx.get(keyed.url + "/health")
     assert health.status_code == 200 and "pid" not in health.text
+    page = httpx.get(keyed.url + "/dashboard")  # the page is open: it holds no data
+    assert page.status_code == 200 and "stories260K" not in page.text
     models = httpx.get(keyed.url + "/v1/models", headers={"authorization": f"Bearer {KEY}"})
     assert models.json()["data"][0]["id"] == "stories260K"  # the folder's name by default
 
