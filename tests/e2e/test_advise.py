@@ -28,7 +28,7 @@ def advise_json(capsys, *argv) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_a_prefill_bound_run_is_called_prefill_bound(server, tmp_path, capsys):
+def test_a_prefill_bound_run_is_called_prefill_bound(server, tmp_path, capsys, stories_path):
     run = bench(server, tmp_path, "prefill", "--num-requests", "64", "--input-len", "480",
                 "--output-len", "2", "--slo", "ttft_ms=100,tpot_ms=2000")  # fmt: skip
     v = advise_json(capsys, "--bench", run)
@@ -37,6 +37,14 @@ def test_a_prefill_bound_run_is_called_prefill_bound(server, tmp_path, capsys):
     text = " ".join(v["evidence"])
     assert "64 requests finished" in text and "prefill" in text
     assert any("--decode-workers 2" in a for a in v["actions"])
+    # with a profile, the planner ranks deployments of 2 devices for the same requests
+    prof = tmp_path / "h100.json"
+    model = str(stories_path)
+    assert main(["profile", "--model", model, "--analytic", "H100", "--output", str(prof)]) == 0
+    v = advise_json(capsys, "--bench", run, "--sim-profile", str(prof), "--model", model,
+                    "--devices", "2")  # fmt: skip
+    assert len(v["plan"]) == 3 and all(row["goodput"] > 0 for row in v["plan"])
+    assert len({row["name"] for row in v["plan"]}) == 3
     server.wait_idle()
 
 
