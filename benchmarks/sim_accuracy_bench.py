@@ -54,6 +54,7 @@ from pdserve.commands.flags import from_args  # noqa: E402
 from pdserve.commands.serve import disagg_config_from  # noqa: E402
 from pdserve.config import EngineArgs, ModelConfig  # noqa: E402
 from pdserve.planner.profile import Profile  # noqa: E402
+from pdserve.planner.scrape import Scrape, Window  # noqa: E402
 from pdserve.planner.simulator import Simulation  # noqa: E402
 
 TRACES = {
@@ -101,8 +102,53 @@ def simulate(serve_args: list[str], model: str, specs, records, profile: Profile
         same.append(RequestSpec(s.index, r.t_arrive, n, s.output_len, s.hash_ids))
     max_len = ModelConfig.from_pretrained(model).max_model_len
     t0 = time.perf_counter()
-    result = Simulation(profile, engine, disagg, max_model_len=max_len).run(same)
-    return result.records, time.perf_counter() - t0
+    sim = Simulation(profile, engine, disagg, max_model_len=max_len)
+    result = sim.run(same)
+    wall = time.perf_counter() - t0
+    return result.records, wall, simulated_steps(result.steps, sim.workers)
+
+
+def step_phase(scheduled: list[tuple[str, int]], decoding: set[str]) -> str:
+    """The engine's phase of a step (engine/stats.py): decode, prefill or mixed."""
+    decodes = sum(rid in decoding for rid, _ in scheduled)
+    if decodes == len(scheduled):
+        return "decode"
+    return "mixed" if decodes else "prefill"
+
+
+def simulated_steps(steps, workers) -> dict:
+    """Mean simulated step time per (role, phase). A one-token item decodes when the worker
+    computed that request's prompt earlier in the step log, or received its KV (decode role)."""
+    computed: dict[str, int] = {}
+    sums: dict[str, list[float]] = {}
+    role = {w.worker_id: str(w.role) for w in workers}
+    for st in steps:
+        received = role[st.worker_id] == "decode"  # its prompts' KV came from a prefill worker
+        decoding = {
+            rid for rid, n in st.scheduled
+            if n == 1 and (received or computed.get((st.worker_id, rid)))
+        }  # fmt: skip
+        key = f"{role[st.worker_id]}/{step_phase(st.scheduled, decoding)}"
+        sums.setdefault(key, []).append(st.duration_s)
+        for rid, n in st.scheduled:
+            computed[(st.worker_id, rid)] = computed.get((st.worker_id, rid), 0) + n
+    return {k: {"mean_ms": 1e3 * sum(v) / len(v), "count": len(v)} for k, v in sorted(sums.items())}
+
+
+def measured_steps(w: Window) -> dict:
+    """Mean step time per (role, phase) in the server's workers, from its /metrics."""
+    out = {}
+    sums = w.increases("pdserve_step_time_seconds_sum")
+    counts = w.increases("pdserve_step_time_seconds_count")
+    for labels, total in sums.items():
+        lab = dict(labels)
+        n = counts.get(labels, 0)
+        if n:
+            key = f"{lab['role']}/{lab['phase']}"
+            prev = out.get(key, {"sum": 0.0, "count": 0})
+            out[key] = {"sum": prev["sum"] + total, "count": prev["count"] + n}
+    return {k: {"mean_ms": 1e3 * v["sum"] / v["count"], "count": v["count"]}
+            for k, v in sorted(out.items())}  # fmt: skip
 
 
 def figures(records: list[RequestRecord]) -> dict:
@@ -132,6 +178,17 @@ def print_table(entries: list[dict]) -> None:
             err = e["error"][f"{metric}_{p}"]
             cells.append(f"{m:.0f} / {s:.0f} ({err:+.0%})" if err is not None else "-")
         print(f"| {e['workload']} | {e['deployment']} | " + " | ".join(cells) + " |")
+    print("\nmean step time per role/phase, ms: measured in the server / simulated (count)")
+    for e in entries:
+        steps = e.get("steps")
+        if not steps:
+            continue
+        cells = []
+        for key, m in steps["measured"].items():
+            sim = steps["simulated"].get(key)
+            sim_ms = f"{sim['mean_ms']:.1f}" if sim else "-"
+            cells.append(f"{key} {m['mean_ms']:.1f} / {sim_ms} ({m['count']})")
+        print(f"  {e['workload']} x {e['deployment']}: " + ", ".join(cells))
     errs = [abs(v) for e in entries for v in e["error"].values() if v is not None]
     if errs:
         within = sum(v <= 0.15 for v in errs) / len(errs)
@@ -178,10 +235,13 @@ def main() -> None:
 
             def run(serve_args=serve_args, wname=wname, dname=dname, prompts=prompts):
                 with Server(serve_args, workdir / f"{wname}-{dname}.log") as srv:
-                    return send(prompts, srv.base_url, model)
+                    before = Scrape.parse(srv.metrics(), time.monotonic())
+                    records = send(prompts, srv.base_url, model)
+                    after = Scrape.parse(srv.metrics(), time.monotonic())
+                    return records, measured_steps(Window([before, after]))
 
-            records, meta = measured(run, f"{wname}-{dname}", a.attempts)
-            sim_records, wall = simulate(deps[dname], model, specs, records, profile)
+            (records, server_steps), meta = measured(run, f"{wname}-{dname}", a.attempts)
+            sim_records, wall, sim_steps = simulate(deps[dname], model, specs, records, profile)
             entry = {
                 "workload": wname,
                 "deployment": dname,
@@ -189,6 +249,8 @@ def main() -> None:
                 "meta": meta,
                 "measured": figures(records),
                 "simulated": figures(sim_records),
+                # mean step time per phase: in the server's workers, and in the simulation
+                "steps": {"measured": server_steps, "simulated": sim_steps},
                 "sim_wall_s": wall,
                 "sim_requests_per_s": len(specs) / wall if wall else None,
                 "records": [r.to_dict() for r in records],
