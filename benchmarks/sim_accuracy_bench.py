@@ -102,7 +102,7 @@ def simulate(serve_args: list[str], model: str, specs, records, profile: Profile
         same.append(RequestSpec(s.index, r.t_arrive, n, s.output_len, s.hash_ids))
     max_len = ModelConfig.from_pretrained(model).max_model_len
     t0 = time.perf_counter()
-    sim = Simulation(profile, engine, disagg, max_model_len=max_len)
+    sim = Simulation(profile, engine, disagg, max_model_len=max_len, local_client=True)
     result = sim.run(same)
     wall = time.perf_counter() - t0
     return result.records, wall, simulated_steps(result.steps, sim.workers)

@@ -1,7 +1,8 @@
 """`pdserve profile`: measure this machine's step-time model for a model folder.
 
 Writes the profile JSON that `pdserve simulate` (and the planner) read: a fitted step-time model
-per thread count and KV transfer rates (see pdserve/perf/step_profile.py for what runs). The
+per thread count and KV transfer rates (see pdserve/perf/step_profile.py for what runs), and
+what serving adds to a step (pdserve/perf/serving_costs.py: a short `pdserve serve` run). The
 engine flags are `pdserve serve`'s, so the profile is of the engine a deployment would run
 (`--linear-backend`, `--dtype`, ...).
 """
@@ -30,6 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="write an analytic profile of one GPU per worker instead (e.g. H100, A100, L4: "
         "datasheet peaks at --mfu and --mbu); nothing is measured and only config.json is read",
     )
+    g.add_argument(
+        "--no-serving-costs",
+        dest="serving_costs",
+        action="store_false",
+        help="skip measuring what serving adds (a pdserve serve of the model on every allowed "
+        "CPU, about a minute: the frontend's CPU per output token and its latency)",
+    )
     g.add_argument("--mfu", type=float, default=0.5, help="--analytic: MFU reached (0.5)")
     g.add_argument("--mbu", type=float, default=0.7, help="--analytic: MBU reached (0.7)")
     add_engine_arguments(p)
@@ -52,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.perf.step_profile import measure_profile
 
     profile = measure_profile(engine, threads, repeats=args.repeats)
+    if args.serving_costs:
+        from pdserve.perf.serving_costs import measure_serving_costs
+
+        profile.serving = measure_serving_costs(engine)
     profile.save(args.output)
     print(f"wrote {args.output}")
     return 0

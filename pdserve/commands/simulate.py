@@ -35,6 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="threads (or devices) of a worker without a CPU set (default 1)",
     )
+    g.add_argument(
+        "--local-client",
+        action="store_true",
+        help="the load comes from a client on the measured machine (as in a benchmark there): "
+        "its CPU per token, from the profile, shares the workers' cores too",
+    )
     g.add_argument("--output", metavar="FILE", help="write the summary and every request as JSON")
     add_engine_arguments(p)
     groups: Groups = {DISAGG_GROUP: p.add_argument_group(DISAGG_GROUP)}
@@ -68,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         disagg,
         max_model_len=max_model_len,
         threads_per_worker=args.threads_per_worker,
+        local_client=args.local_client,
     )
     result = sim.run(specs)
     wall = time.perf_counter() - t0

@@ -59,6 +59,7 @@ class SchedulerConfig:
     prefill_first: bool  # a new prompt's chunk before the chunks of prompts in prefill
     reserved_kv_fraction: float  # of the KV blocks, kept free for the running requests
     priority_aging_s: float  # a waiting request gains one priority level per this wait
+    priority_preemption: bool  # an urgent prompt runs alone; it may preempt lax requests
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,13 @@ class EngineArgs:
         "`priority` values are admitted first; aging keeps low priorities from starving)",
         checks=(POSITIVE,),
     )
+    priority_preemption: bool = setting(
+        False,
+        group=SCHEDULER_GROUP,
+        help="while a prompt of a more urgent `priority` is in prefill, less urgent requests "
+        "get no tokens (their streams pause), and a waiting urgent request preempts less "
+        "urgent running ones for a sequence slot or KV blocks",
+    )
     num_threads: int | None = setting(
         None,
         help="torch CPU threads (default: one per allowed CPU that other processes leave free, "
@@ -193,4 +201,5 @@ class EngineArgs:
             prefill_first=self.prefill_first,
             reserved_kv_fraction=self.reserved_kv_fraction,
             priority_aging_s=self.priority_aging_s,
+            priority_preemption=self.priority_preemption,
         )

@@ -7,7 +7,8 @@ docs/ARCHITECTURE.md ("Scenario profiles") lists the same values; a test keeps t
 - chat: time to first token first. A new prompt's chunk goes before the chunks of prompts already
   in prefill and chunks are 256 tokens (a stream pauses for at most one chunk), requests whose
   predicted TTFT is beyond the SLO are refused at once, over-long prompts keep their most recent
-  tokens, and a tenth of the KV cache is kept for the streams already running.
+  tokens, a tenth of the KV cache is kept for the streams already running, and a more urgent
+  `priority` preempts less urgent requests.
 - batch: throughput first. A large step budget and many sequences at once, whole-prompt chunks,
   no latency target at admission.
 - mixed: prefill and decode workers whose split follows the load (`--pd-ratio auto`, starting at
@@ -26,6 +27,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "max_num_batched_tokens": 512,
         "max_num_seqs": 32,
         "reserved_kv_fraction": 0.1,
+        "priority_preemption": True,
         "truncate_prompt": "left",
         "slo_admission": True,
     },
@@ -35,6 +37,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "max_num_batched_tokens": 8192,
         "max_num_seqs": 256,
         "reserved_kv_fraction": 0.0,
+        "priority_preemption": False,
         "truncate_prompt": "error",
         "slo_admission": False,
     },

@@ -3,11 +3,13 @@
 For each thread count, an `EngineCore` of the model (pinned to that many of the allowed CPUs)
 runs a fixed set of scenarios that together cover the step shapes serving produces: prefills of
 one chunk from an empty context (16 to 1024 tokens), a long prompt in chunks (context growing
-to 2048), decode batches of 1 to 32 sequences at short and long contexts, and decodes sharing
-their steps with prefill chunks (mixed steps). Every step's shape (`StepShape`, taken from the
+to 2048), decode batches of 1 to 32 sequences at short and long contexts and of mixed contexts
+(one long among short ones: decode attention pads to the longest), decodes sharing their steps
+with prefill chunks (mixed steps), and serving's steady state (requests of spread lengths
+arriving every few steps while others decode). Every step's shape (`StepShape`, taken from the
 scheduler's plan) and wall time (`EngineCore.step`: schedule, forward, sample, update) is
-recorded, and a `LinearStepModel` is fitted per thread count; the fit's error on the measured
-steps is printed and kept in the profile's notes. KV transfers: `shm` is a copy into shared
+recorded, and a `SplitStepModel` (decode-only steps fitted apart) per thread count; the fit's
+error on the measured steps is printed and kept in the profile's notes. KV transfers: `shm` is a copy into shared
 memory, so its rate is this machine's measured copy bandwidth; `tcp` is measured by sending
 1 MiB frames over a loopback ZMQ socket.
 """
@@ -28,10 +30,12 @@ from pdserve.engine.core import EngineCore
 from pdserve.perf.cost import ModelShape
 from pdserve.perf.hardware import cpu_model
 from pdserve.planner.profile import Profile, TransferModel
-from pdserve.planner.step_model import LinearStepModel, StepShape
+from pdserve.planner.step_model import SplitStepModel, StepModel, StepShape
 from pdserve.types import SamplingParams
 
 Sample = tuple[StepShape, float]
+STEADY_REQUESTS = 40  # the steady-state scenario: a request arrives every STEADY_GAP_STEPS steps
+STEADY_GAP_STEPS = 4
 
 
 def measure_profile(
@@ -56,7 +60,7 @@ def measure_profile(
             samples = run_scenarios(core, repeats, log=lambda m, n=n: log(f"[{n} thread(s)] {m}"))
         finally:
             os.sched_setaffinity(0, allowed)
-        model = LinearStepModel.fit([s for s, _ in samples], [t for _, t in samples])
+        model = SplitStepModel.fit([s for s, _ in samples], [t for _, t in samples])
         err = _fit_error(model, samples)
         models[n] = model
         note = (
@@ -121,6 +125,11 @@ def run_scenarios(core: EngineCore, repeats: int, log=print) -> list[Sample]:
                 for _ in range(batch):
                     add(ctx, 12)
                 run(8192)
+        for batch in (4, 16):  # decode batches of mixed contexts: one long, the rest short
+            add(1024, 12)
+            for _ in range(batch - 1):
+                add(64, 12)
+            run(8192)
         for batch in (4, 16):  # decodes sharing their steps with prompt chunks
             for _ in range(batch):
                 add(128, 40)
@@ -128,6 +137,12 @@ def run_scenarios(core: EngineCore, repeats: int, log=print) -> list[Sample]:
             add(768, 1)
             add(384, 1)
             run(256 + batch, 256)
+        # serving's steady state: requests of spread lengths arriving while others decode, so
+        # decode batches hold contexts of every length over a cache that has seen turnover
+        for i in range(STEADY_REQUESTS):
+            add(rng.randrange(64, 1024), rng.randrange(16, 96))
+            run(512, 256, until=lambda n=len(samples): len(samples) >= n + STEADY_GAP_STEPS)
+        run(512, 256)
         log(f"repeat {r + 1}/{repeats}: {len(samples)} steps")
     return samples
 
@@ -154,7 +169,7 @@ def _timed_step(core: EngineCore) -> list[Sample]:
     return [(shapes[0], elapsed)] if shapes else []
 
 
-def _fit_error(model: LinearStepModel, samples: list[Sample]) -> tuple[float, float]:
+def _fit_error(model: StepModel, samples: list[Sample]) -> tuple[float, float]:
     errors = sorted(abs(model.predict(s) - t) / t for s, t in samples)
     return statistics.median(errors), errors[int(0.9 * (len(errors) - 1))]
 

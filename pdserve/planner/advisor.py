@@ -157,14 +157,8 @@ def _within_slo(obs: Observation, settings: dict, facts: list[str]) -> Verdict |
     if busy is not None and busy >= AT_CAPACITY:
         nearer = "TTFT" if (r_ttft or 0) >= (r_tpot or 0) else "TPOT"
         room += f": at capacity, more load will miss the {nearer} target first"
-        actions.append(
-            "before the load grows: "
-            + (
-                "add prefill capacity (see prefill-bound)"
-                if nearer == "TTFT"
-                else "add decode capacity (see decode-bound)"
-            )  # fmt: skip
-        )
+        phase = "prefill" if nearer == "TTFT" else "decode"
+        actions.append(f"before the load grows: add {phase} capacity (see {phase}-bound)")
     return Verdict("balanced", f"balanced: SLOs met ({closest}){room}", facts, actions)
 
 

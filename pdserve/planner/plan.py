@@ -152,9 +152,11 @@ def rank(
     *,
     max_model_len: int,
     target: float = 0.9,
+    high: float = 8.0,
+    local_client: bool = False,
 ) -> list[Ranked]:
-    """Every candidate's goodput on `requests` (its rate found by scaling their arrival times),
-    best goodput per device first."""
+    """Every candidate's goodput on `requests` (its rate found by scaling their arrival times,
+    up to `high` times their own rate), best goodput per device first."""
     if not requests:
         raise ValueError("no requests to plan for")
     duration = max(r.send_at_s for r in requests) or 1.0
@@ -169,11 +171,12 @@ def rank(
                 c.disagg,
                 max_model_len=max_model_len,
                 threads_per_worker=c.threads_per_worker,
+                local_client=local_client,
             )
             return sim.run(scaled(requests, scale)).records
 
         at_load = summarize(run(1.0), slo)["slo_attainment"]
-        scale, summary = goodput(run, slo, target)
+        scale, summary = goodput(run, slo, target, high=high)
         out.append(Ranked(c, scale * base_rate, at_load, summary))
     out.sort(key=lambda r: (-r.per_device, r.candidate.name))
     return out

@@ -2,16 +2,17 @@
 
 A `Profile` is what the simulator needs to know of the hardware and the model: how long a step
 of a given shape takes on a worker of N threads (CPU) or devices (`step_models`), how long a
-prompt's KV takes to reach another worker (`transfers`, per transport), and how many bytes of KV
-a token holds. `pdserve profile` measures one on this machine (`kind: "measured"`); for hardware
-that is not here, `analytic_profile` builds one from datasheet peaks (`kind: "analytic"`, which
-the output says). Profiles are JSON files.
+prompt's KV takes to reach another worker (`transfers`, per transport), how many bytes of KV a
+token holds, and (measured profiles) what serving adds: the CPU the frontend takes per output
+token and its latency (`serving`). `pdserve profile` measures one on this machine (`kind:
+"measured"`); for hardware that is not here, `analytic_profile` builds one from datasheet peaks
+(`kind: "analytic"`, which the output says). Profiles are JSON files.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pdserve.planner.step_model import StepModel, step_model_from_dict
@@ -30,6 +31,18 @@ class TransferModel:
         return self.latency_s + num_bytes / max(num_layers, 1) / self.bytes_per_s
 
 
+@dataclass(frozen=True)
+class ServingCosts:
+    """What serving adds to a step on the measured machine (`perf/serving_costs.py`): CPU time
+    per output token that the frontend, and a client on the same machine, take from the cores,
+    and the time a first token spends outside the engine."""
+
+    cpus: int  # the CPUs the measured deployment occupied
+    frontend_cpu_per_token_s: float
+    client_cpu_per_token_s: float
+    frontend_latency_s: float
+
+
 @dataclass
 class Profile:
     kind: str  # "measured" (on this machine) or "analytic" (datasheet peaks, efficiency factors)
@@ -39,6 +52,7 @@ class Profile:
     step_models: dict[int, StepModel]  # by threads (CPU) or devices per worker
     transfers: dict[str, TransferModel] = field(default_factory=dict)  # by transport
     notes: list[str] = field(default_factory=list)  # how it was measured or assumed
+    serving: ServingCosts | None = None  # measured profiles: the frontend's share of the CPUs
 
     def step_model(self, size: int) -> StepModel:
         """The model of a worker of `size` threads or devices (the nearest measured size)."""
@@ -64,6 +78,7 @@ class Profile:
                 for k, t in self.transfers.items()
             },
             "notes": self.notes,
+            "serving": None if self.serving is None else asdict(self.serving),
         }
 
     @classmethod
@@ -76,6 +91,7 @@ class Profile:
             step_models={int(k): step_model_from_dict(m) for k, m in d["step_models"].items()},
             transfers={k: TransferModel(**t) for k, t in d.get("transfers", {}).items()},
             notes=list(d.get("notes", [])),
+            serving=ServingCosts(**d["serving"]) if d.get("serving") else None,
         )
 
     def save(self, path: str | Path) -> None:

@@ -15,10 +15,13 @@ P:D controller samples the load (every second). A handoff follows the engine's p
 decode worker reserves blocks (`RemoteKV.reserve`), the prefill worker computes the prompt and
 the first token (which the client sees then), the KV arrives, the decode worker decodes on.
 
-What is not modelled: the frontend's own time (tokenizing, detokenizing, HTTP), message
-latencies between processes, KV transfer fallbacks and failures, preemption's recompute being
-cheaper than a first prefill (the prefix cache is modelled, so recompute hits cached blocks as it
-does for real).
+Serving's own costs come from the profile when it measured them (`Profile.serving`): the CPU
+the frontend (and a client on the same machine, `local_client`) spends per output token is added
+to the step that emits the token, in the worker's share of the CPUs, when the workers occupy
+every CPU; every token reaches the client `frontend_latency_s` after its step. What is not
+modelled: message latencies between processes, KV transfer fallbacks and failures,
+preemption's recompute being cheaper than a first prefill (the prefix cache is modelled, so
+recompute hits cached blocks as it does for real).
 
 The result is the same list of `RequestRecord`s as `pdserve bench` writes, so its summary and
 `pdserve bench compare` read a simulated run like a measured one.
@@ -85,6 +88,7 @@ class _Live:
     num_tokens: int = 0
     decode_worker: int | None = None
     prefill_worker: int | None = None
+    requests: list[Request] = field(default_factory=list)  # on each worker it went through
 
 
 @dataclass
@@ -106,10 +110,12 @@ class Simulation:
         threads_per_worker: int = 1,
         transport: str | None = None,
         step_time: Callable[[SimWorker, StepShape], float] | None = None,
+        local_client: bool = False,
     ) -> None:
         """`threads_per_worker` sizes a worker without a CPU set (one with `--*-cpus` counts its
         CPUs). `step_time(worker, shape)` replaces the profile's step models (tests replay a
-        recorded step log with it)."""
+        recorded step log with it). `local_client`: the load comes from a client on the same
+        machine (a benchmark), whose CPU per token the profile measured too."""
         self.profile = profile
         self.disagg = disagg = disagg or DisaggConfig()
         self.now = 0.0
@@ -129,6 +135,10 @@ class Simulation:
             if step_time is not None:
                 worker.predict = lambda shape, w=worker: step_time(w, shape)
             self.workers.append(worker)
+        self.num_cpus = sum(w.size for w in self.workers)
+        self.host_cpu_per_token_s, self.frontend_latency_s = _serving_costs(
+            profile, self.num_cpus, local_client
+        )
         self.block_size = engine.block_size
         self.max_model_len = max_model_len
         self.router = Router(engine.block_size, disagg.min_prompt_tokens)
@@ -185,6 +195,7 @@ class Simulation:
         live.decode_worker = route.decode_id
         decode = self.workers[route.decode_id]
         request = self._request(rid, prompt, output_len)
+        live.requests.append(request)
         if route.prefill_id is not None:
             live.prefill_worker = route.prefill_id
             request.kv_role = KVRole.RECEIVE
@@ -219,6 +230,8 @@ class Simulation:
             ctx_lens.append(item.request.num_computed_tokens + item.num_new_tokens)
         num_sampled = sum(item.sample for item in plan.scheduled)
         duration = worker.predict(StepShape.of(q_lens, ctx_lens, num_sampled))
+        # the frontend's work on this step's tokens takes CPU from the worker's cores
+        duration += self.host_cpu_per_token_s * num_sampled * worker.size / self.num_cpus
         worker.plan, worker.step_start = plan, self.now
         self.steps.append(
             StepRecord(
@@ -234,6 +247,7 @@ class Simulation:
         live = self.live[reserved.request_id]
         prefill = self.workers[live.prefill_worker]
         request = self._request(reserved.request_id, live.prompt, reserved.max_tokens)
+        live.requests.append(request)
         request.kv_role = KVRole.SEND
         prefill.scheduler.add_request(request)
         self._wake(prefill)
@@ -287,18 +301,20 @@ class Simulation:
 
     def _tokens(self, live: _Live, n: int) -> None:
         record = live.record
+        seen = self.now + self.frontend_latency_s  # when the client has the token
         for _ in range(n):
-            record.token_times.append(self.now)
+            record.token_times.append(seen)
         if n and record.t_first is None:
-            record.t_first = self.now
+            record.t_first = seen
             self.load.on_first_output(f"r{record.index}")
         live.num_tokens += n
 
     def _finish(self, live: _Live) -> None:
         record = live.record
-        record.t_end = self.now
+        record.t_end = self.now + self.frontend_latency_s
         record.status = COMPLETED
         record.completion_tokens = live.num_tokens
+        record.cached_tokens = max(max(r.num_cached_tokens, 0) for r in live.requests)
         del self.live[f"r{record.index}"]
         self.finished.append(live)
         self.load.on_finish(record.ttft, record.tpot)
@@ -327,6 +343,20 @@ class Simulation:
             self.decisions.append({"t": self.now, "reason": d.reason, "new": list(d.new)})
         if self.live or any(t > self.now for t, _, _ in self.events):
             self.at(self.now + CONTROL_INTERVAL_S, self._control)
+
+
+def _serving_costs(profile: Profile, num_cpus: int, local_client: bool) -> tuple[float, float]:
+    """(host CPU seconds per output token that land on the workers' cores, the latency a token
+    has outside the engine), from the profile's measured serving costs. The CPU counts only
+    when the workers occupy every CPU the profile measured on: a spare core takes it."""
+    costs = profile.serving
+    if costs is None:
+        return 0.0, 0.0
+    per_token = 0.0
+    if num_cpus >= costs.cpus:
+        per_token = costs.frontend_cpu_per_token_s
+        per_token += costs.client_cpu_per_token_s if local_client else 0.0
+    return per_token, costs.frontend_latency_s
 
 
 def prompt_ids(spec: RequestSpec, max_model_len: int) -> list[int]:

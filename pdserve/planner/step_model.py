@@ -1,16 +1,22 @@
 """How long one engine step takes, from what the step computes (no torch).
 
 A step is described by its `StepShape`: the new tokens and the context of every scheduled
-sequence, and how many of them sample. Two models turn a shape into seconds:
+sequence, and how many of them sample. These models turn a shape into seconds:
 
 - `LinearStepModel`, fitted to steps measured on this machine (`pdserve profile`):
 
       t = overhead + per_token * T + per_pair * A + per_kv_token * K + per_sample * S
+          + per_padded_kv_token * P
 
   with T the tokens computed, A the (query, key) pairs attended (`perf.cost.attention_pairs`),
-  K the context tokens read from the KV cache and S the rows that sample. On a CPU the overhead
-  is mostly the weights read once per step (decode is bandwidth-bound), T the matrix products'
-  work, A and K the attention's. Coefficients are fitted by least squares and kept >= 0.
+  K the context tokens read from the KV cache, S the rows that sample and P the decode batch's
+  padded context: its decodes times the longest of their contexts (the paged SDPA backend
+  gathers every decode's context into one padded batch, so one long context makes every decode
+  of the step pay for its length). On a CPU the overhead is mostly the weights read once per
+  step (decode is bandwidth-bound), T the matrix products' work, A, K and P the attention's.
+  Coefficients are fitted by least squares and kept >= 0.
+- `SplitStepModel`, what `pdserve profile` fits: one `LinearStepModel` for decode-only steps
+  and one for steps with prompt tokens.
 - `AnalyticStepModel`, for hardware that is not here: the step's FLOPs and bytes
   (`perf.cost.step_cost`) against datasheet peaks scaled by efficiency factors, plus a fixed
   overhead: `t = overhead + max(flops / (peak * mfu), bytes / (bandwidth * mbu))`.
@@ -25,7 +31,7 @@ import numpy as np
 
 from pdserve.perf.cost import ModelShape, attention_pairs, step_cost
 
-TERMS = ("overhead", "per_token", "per_pair", "per_kv_token", "per_sample")
+TERMS = ("overhead", "per_token", "per_pair", "per_kv_token", "per_sample", "per_padded_kv_token")
 
 
 @dataclass(frozen=True)
@@ -45,11 +51,19 @@ class StepShape:
     def num_tokens(self) -> int:
         return sum(self.q_lens)
 
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence computes one token (a decode-only step)."""
+        return all(q == 1 for q in self.q_lens)
+
     def features(self) -> np.ndarray:
         """The linear model's regressors, in `TERMS` order."""
         pairs = sum(attention_pairs(q, c) for q, c in zip(self.q_lens, self.ctx_lens))
+        decode_ctx = [c for q, c in zip(self.q_lens, self.ctx_lens) if q == 1]
+        padded = len(decode_ctx) * max(decode_ctx, default=0)
         return np.array(
-            [1.0, self.num_tokens, pairs, sum(self.ctx_lens), self.num_sampled], dtype=np.float64
+            [1.0, self.num_tokens, pairs, sum(self.ctx_lens), self.num_sampled, padded],
+            dtype=np.float64,
         )
 
 
@@ -62,6 +76,7 @@ class LinearStepModel:
     per_pair: float
     per_kv_token: float
     per_sample: float
+    per_padded_kv_token: float = 0.0  # profiles measured before this term was added lack it
 
     def predict(self, shape: StepShape) -> float:
         return float(np.dot(self.coefficients, shape.features()))
@@ -118,14 +133,51 @@ class AnalyticStepModel:
         return {"kind": "analytic", **d}
 
 
-StepModel = LinearStepModel | AnalyticStepModel
+@dataclass(frozen=True)
+class SplitStepModel:
+    """Two linear models: one for decode-only steps (every sequence computes one token), one
+    for steps with prompt tokens. A decode step's matrix products have a handful of rows, where
+    a kernel's cost per row is far from what it is in a prefill's hundreds: one line through
+    both misses the decode steps that serving is mostly made of."""
+
+    decode: LinearStepModel
+    prefill: LinearStepModel  # prefill and mixed steps
+
+    def predict(self, shape: StepShape) -> float:
+        model = self.decode if shape.is_decode else self.prefill
+        return model.predict(shape)
+
+    @classmethod
+    def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float]) -> SplitStepModel:
+        """Each half fitted on its own steps (`LinearStepModel.fit`); a half with no step of
+        its own takes the fit of all of them."""
+        pairs = list(zip(shapes, seconds))
+        both = LinearStepModel.fit(shapes, seconds)
+
+        def fit(chosen):
+            if not chosen:
+                return both
+            return LinearStepModel.fit([s for s, _ in chosen], [t for _, t in chosen])
+
+        return cls(
+            fit([p for p in pairs if p[0].is_decode]),
+            fit([p for p in pairs if not p[0].is_decode]),
+        )
+
+    def to_dict(self) -> dict:
+        return {"kind": "split", "decode": self.decode.to_dict(), "prefill": self.prefill.to_dict()}
+
+
+StepModel = LinearStepModel | SplitStepModel | AnalyticStepModel
 
 
 def step_model_from_dict(d: dict) -> StepModel:
     d = dict(d)
     kind = d.pop("kind")
     if kind == "linear":
-        return LinearStepModel(**{t: float(d[t]) for t in TERMS})
+        return LinearStepModel(**{t: float(d.get(t, 0.0)) for t in TERMS})
+    if kind == "split":
+        return SplitStepModel(step_model_from_dict(d["decode"]), step_model_from_dict(d["prefill"]))
     if kind == "analytic":
         return AnalyticStepModel(ModelShape(**d.pop("shape")), **d)
     raise ValueError(f"unknown step model kind {kind!r}")

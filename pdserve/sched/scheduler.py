@@ -10,7 +10,11 @@ Admission order is FCFS within a priority (`SamplingParams.priority`, lower firs
 request gains one priority level per `priority_aging_s` it has waited, so a low priority is
 delayed, never starved. With priorities in play, running requests are served in the same order
 (an urgent prompt's chunk takes the budget before a lax one's) and preemption takes the
-lowest-priority newest request.
+lowest-priority newest request. With `priority_preemption`, priorities go further: while a
+prompt of a more urgent priority has tokens to compute, less urgent requests get none (their
+streams pause while it prefills), and a waiting urgent request preempts less urgent running
+ones for a sequence slot or KV blocks (they are recomputed later, from the prefix cache where it
+still holds them): the low priorities absorb the queueing. The rules are in `sched/priority.py`.
 
 Two settings serve interactive traffic (the chat profile):
 
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 from pdserve.config import SchedulerConfig
 from pdserve.kv.manager import KVCacheManager
 from pdserve.request import Request
+from pdserve.sched.priority import PriorityPolicy
 from pdserve.sched.remote_kv import RemoteKV
 from pdserve.types import EngineCoreOutput, KVRole, Logprob, RequestStatus
 
@@ -87,6 +92,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.priority = PriorityPolicy(config)
         self.remote = RemoteKV(self)  # the connector's half: requests whose KV crosses workers
 
     # ---- requests in and out -------------------------------------------------------------
@@ -146,52 +152,53 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         return n
 
-    def _priority_key(self, now: float):
-        aging = self.config.priority_aging_s
+    def _make_room(self, request: Request, now: float, out: SchedulerOutput) -> bool:
+        """priority_preemption: preempt the least urgent, newest running request that is less
+        urgent than `request` and not in this step's plan, to give `request` its slot or
+        blocks."""
+        planned = {id(item.request) for item in out.scheduled}
+        victims = self.priority.yielding_to(request, self.running, now, planned)
+        if not victims:
+            return False
+        victim = self.priority.victim(victims, now)
+        self.running.remove(victim)
+        self._preempt(victim)
+        self.waiting.rotate(-1)  # the victim to the back: `request` stays at the head
+        out.num_preempted += 1
+        return True
 
-        def key(request: Request) -> tuple[int, float]:
-            aged = math.floor((now - request.arrival_time) / aging)
-            return request.sampling_params.priority - aged, request.arrival_time
-
-        return key
-
-    def _order_waiting(self, now: float) -> None:
-        """Lower priority value first, FCFS within one (a no-op unless some request set one)."""
-        if any(r.sampling_params.priority for r in self.waiting):
-            self.waiting = deque(sorted(self.waiting, key=self._priority_key(now)))
-
-    def _prefill_reserve(self, budget: int) -> int:
+    def _prefill_reserve(self, budget: int, sits_out: Callable[[Request], bool]) -> int:
         """prefill_first: the tokens the waiting head's next chunk needs this step."""
-        if not (self.config.prefill_first and self.waiting):
+        if not (self.config.prefill_first and self.waiting) or sits_out(self.waiting[0]):
             return 0
         if len(self.running) + len(self.remote.waiting) >= self.config.max_num_seqs:
             return 0
         head = self.waiting[0]
         return self._chunk(head, budget) if head.kv_role != KVRole.RECEIVE else 0
 
-    def _pick_victim(self, candidates: list[Request], now: float) -> Request:
-        """The running request to preempt: the newest, or with priorities in play the newest of
-        the lowest priority."""
-        if any(r.sampling_params.priority for r in candidates):
-            return max(candidates, key=self._priority_key(now))
-        return candidates[-1]
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         now = self.clock()
-        self._order_waiting(now)
-        if any(r.sampling_params.priority for r in self.running):
-            self.running.sort(key=self._priority_key(now))  # urgent chunks take the budget first
-        reserve = self._prefill_reserve(budget)
+        self.waiting = self.priority.ordered(self.waiting, now)
+        self.priority.sort_running(self.running, now)
+        urgent = self.priority.urgent_level(self.running, self.waiting, now)
+        level = self.priority.level(now)
+        sits_out = (lambda r: level(r) > urgent) if urgent is not None else (lambda r: False)
+        reserve = self._prefill_reserve(budget, sits_out)
         # prefill_first: one token of the budget stays with each running decode
         decodes_left = (
-            sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running) if reserve else 0
+            sum(r.num_tokens - r.num_computed_tokens == 1 and not sits_out(r) for r in self.running)
+            if reserve
+            else 0
         )
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if sits_out(request):  # a more urgent prompt is in prefill
+                i += 1
+                continue
             if not reserve:
                 num_new = self._chunk(request, budget)
             elif request.num_tokens - request.num_computed_tokens == 1:
@@ -203,7 +210,7 @@ class Scheduler:
                     i += 1
                     continue
             while not self.kv.allocate_slots(request, num_new):
-                victim = self._pick_victim(self.running[i:], now)
+                victim = self.priority.victim(self.running[i:], now)
                 self.running.remove(victim)
                 self._preempt(victim)
                 out.num_preempted += 1
@@ -218,14 +225,16 @@ class Scheduler:
         keep_free = 0
         if self.running and self.config.reserved_kv_fraction:
             keep_free = math.ceil(self.config.reserved_kv_fraction * self.kv.num_blocks)
-        # After a preemption the pool is short: admit nothing new this step.
-        while (
-            self.waiting
-            and budget > 0
-            and not out.num_preempted
-            and len(self.running) + len(self.remote.waiting) < self.config.max_num_seqs
-        ):
+        # After a preemption for KV the pool is short: admit nothing new this step.
+        short = out.num_preempted > 0
+        while self.waiting and budget > 0 and not short:
             request = self.waiting[0]
+            if sits_out(request):
+                break
+            if len(self.running) + len(self.remote.waiting) >= self.config.max_num_seqs:
+                if not self._make_room(request, now, out):
+                    break
+                continue
             if request.kv_role == KVRole.RECEIVE:
                 if not self.remote.reserve(request, now):
                     break
@@ -242,6 +251,8 @@ class Scheduler:
             if num_new < remaining and not self.config.enable_chunked_prefill:
                 break
             if not self.kv.allocate_slots(request, num_new, hits, keep_free=keep_free):
+                if self._make_room(request, now, out):
+                    continue  # blocks freed by a less urgent request: try again
                 break
             self.waiting.popleft()
             request.num_computed_tokens += num_hit_tokens

@@ -46,6 +46,7 @@ SAMPLES = {
         prefill_first=True,
         reserved_kv_fraction=0.25,
         priority_aging_s=3.5,
+        priority_preemption=True,
         num_threads=3,
         hardware_profile="hw.json",
         linear_backend="torch",

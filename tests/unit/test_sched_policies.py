@@ -1,5 +1,5 @@
 """Scheduling policies: priority order with aging, prefill-first chunks, KV kept for running
-requests, and the preemption victim under priorities (no torch)."""
+requests, the preemption victim under priorities, and priority preemption (no torch)."""
 
 from __future__ import annotations
 
@@ -160,6 +160,79 @@ def test_reserved_kv_keeps_room_for_running_requests():
     while sched.has_unfinished:
         step(sched)
     sched.kv.pool.check_whole()
+
+
+def test_priority_preemption_pauses_lax_streams_while_an_urgent_prompt_prefills():
+    sched = make_scheduler(num_blocks=256, budget=32, priority_preemption=True)
+    lax = [make_request(f"lax{i}", num_prompt=4, max_tokens=40, priority=1, start=10 * i)
+           for i in range(3)]  # fmt: skip
+    for r in lax:
+        sched.add_request(r)
+    step(sched)
+    assert step(sched) == {"lax0": 1, "lax1": 1, "lax2": 1}  # decoding
+    urgent = make_request("urgent", num_prompt=80, max_tokens=4, priority=0, start=500)
+    sched.add_request(urgent)
+    # its prompt runs alone, chunk after chunk, with the whole budget
+    assert step(sched) == {"urgent": 32}
+    assert step(sched) == {"urgent": 32}
+    assert step(sched) == {"urgent": 16}  # the first token: the prompt is done
+    after = step(sched)  # every stream resumes beside the urgent decode
+    assert after == {"urgent": 1, "lax0": 1, "lax1": 1, "lax2": 1}
+    while sched.has_unfinished:
+        step(sched)
+    assert all(r.num_output_tokens == 40 for r in lax)
+    sched.kv.pool.check_whole()
+
+
+def test_without_priority_preemption_decodes_keep_their_token():
+    sched = make_scheduler(num_blocks=256, budget=32)
+    lax = make_request("lax", num_prompt=4, max_tokens=40, priority=1, start=10)
+    sched.add_request(lax)
+    step(sched)
+    sched.add_request(make_request("urgent", num_prompt=80, priority=0, start=500))
+    assert step(sched) == {"lax": 1, "urgent": 31}
+
+
+def test_an_urgent_request_takes_a_sequence_slot_from_a_lax_one():
+    sched = make_scheduler(num_blocks=256, budget=64, max_seqs=2, priority_preemption=True)
+    lax = [make_request(f"lax{i}", num_prompt=4, max_tokens=20, priority=2, start=10 * i)
+           for i in range(2)]  # fmt: skip
+    for r in lax:
+        sched.add_request(r)
+    step(sched)
+    step(sched)
+    urgent = make_request("urgent", num_prompt=8, max_tokens=4, priority=0, start=500)
+    sched.add_request(urgent)
+    assert step(sched) == {"urgent": 8}  # the newest lax request gave up its slot
+    assert lax[1].status == RequestStatus.PREEMPTED and lax[0].status == RequestStatus.RUNNING
+    assert sched.num_preemptions == 1
+    while sched.has_unfinished:
+        step(sched)
+    assert urgent.num_output_tokens == 4 and all(r.num_output_tokens == 20 for r in lax)
+    sched.kv.pool.check_whole()
+
+
+def test_an_urgent_request_takes_kv_blocks_from_a_lax_one():
+    sched = make_scheduler(num_blocks=6, budget=64, priority_preemption=True)  # 24 slots
+    lax = make_request("lax", num_prompt=16, max_tokens=8, priority=1, start=10)  # 4 blocks
+    sched.add_request(lax)
+    step(sched)
+    urgent = make_request("urgent", num_prompt=12, max_tokens=4, priority=0, start=500)
+    sched.add_request(urgent)  # needs 3 blocks, 2 are free
+    assert "urgent" in step(sched) and lax.status == RequestStatus.PREEMPTED
+    while sched.has_unfinished:
+        step(sched)
+    assert urgent.num_output_tokens == 4 and lax.num_output_tokens == 8
+    sched.kv.pool.check_whole()
+
+
+def test_equal_priorities_preempt_nothing_for_admission():
+    sched = make_scheduler(num_blocks=256, budget=64, max_seqs=1, priority_preemption=True)
+    first = make_request("first", num_prompt=4, max_tokens=6, priority=1, start=10)
+    sched.add_request(first)
+    step(sched)
+    sched.add_request(make_request("second", num_prompt=4, max_tokens=6, priority=1, start=50))
+    assert step(sched) == {"first": 1} and sched.num_preemptions == 0
 
 
 @pytest.mark.parametrize("bad", [{"priority": 2**31}, {"priority": 1.5}, {"deadline_s": 0}])

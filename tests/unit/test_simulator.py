@@ -3,6 +3,7 @@ the P:D controller work on simulated time; step models fit and predict (no torch
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -12,11 +13,12 @@ from pdserve.bench.metrics import COMPLETED, Slo, summarize
 from pdserve.bench.workload import RequestSpec
 from pdserve.config import DisaggConfig, EngineArgs
 from pdserve.perf.cost import ModelShape
-from pdserve.planner.profile import Profile, TransferModel
+from pdserve.planner.profile import Profile, ServingCosts, TransferModel
 from pdserve.planner.simulator import Simulation, prompt_ids
 from pdserve.planner.step_model import (
     AnalyticStepModel,
     LinearStepModel,
+    SplitStepModel,
     StepShape,
     step_model_from_dict,
 )
@@ -129,6 +131,59 @@ def test_linear_fit_recovers_the_coefficients_and_stays_non_negative():
     noisy = LinearStepModel.fit(shapes, [t * (1.3 if i % 2 else 0.7) for i, t in enumerate(times)])
     assert all(c >= 0 for c in noisy.coefficients)
     assert step_model_from_dict(fit.to_dict()) == fit
+
+
+def test_serving_costs_slow_the_steps_that_share_the_frontends_cores():
+    costs = ServingCosts(cpus=2, frontend_cpu_per_token_s=0.002, client_cpu_per_token_s=0.001,
+                         frontend_latency_s=0.005)  # fmt: skip
+    served = dataclasses.replace(PROFILE, serving=costs)
+    one = [RequestSpec(0, 0.0, 64, 20)]
+
+    def run(profile, disagg=None, threads=2, **kw):
+        sim = Simulation(profile, EngineArgs(model="m"), disagg, max_model_len=2048,
+                         threads_per_worker=threads, **kw)  # fmt: skip
+        return sim.run(one)
+
+    base = run(PROFILE)
+    slow = run(served)
+    # each decode step emits one token: 2 ms of frontend CPU on the worker's (all) cores
+    for a, b in zip(base.steps[1:], slow.steps[1:]):
+        assert b.duration_s == pytest.approx(a.duration_s + 0.002)
+    # the client sees every token 5 ms after its step; TTFT includes it, the pace does not
+    (r0,), (r1,) = base.records, slow.records
+    assert r1.ttft == pytest.approx(r0.ttft + 0.005 + 0.002)  # the first step samples too
+    with_client = run(served, local_client=True)
+    assert with_client.steps[-1].duration_s == pytest.approx(base.steps[-1].duration_s + 0.003)
+    # a worker on one core of two leaves the other to the frontend: no slowdown
+    spare = run(served, threads=1)
+    assert spare.steps[-1].duration_s == pytest.approx(run(PROFILE, threads=1).steps[-1].duration_s)
+    assert Profile.from_dict(served.to_dict()) == served
+
+
+def test_one_long_context_makes_every_decode_of_the_step_pay_for_its_length():
+    padded = LinearStepModel(0.01, 0.0, 0.0, 0.0, 0.0, per_padded_kv_token=1e-5)
+    uniform = StepShape.of([1] * 8, [64] * 8, 8)
+    one_long = StepShape.of([1] * 8, [1024] + [64] * 7, 8)
+    assert padded.predict(uniform) == pytest.approx(0.01 + 8 * 64 * 1e-5)
+    assert padded.predict(one_long) == pytest.approx(0.01 + 8 * 1024 * 1e-5)
+    # a prefill chunk pays nothing for it
+    assert padded.predict(StepShape.of([256], [1024], 1)) == pytest.approx(0.01)
+
+
+def test_split_fit_models_decode_steps_apart_from_prompt_steps():
+    decode_truth = LinearStepModel(0.03, 0.004, 0.0, 0.0, 0.0, 1e-6)  # small-row products: dear
+    prefill_truth = LinearStepModel(0.01, 0.001, 1e-8, 0.0, 0.0)
+    decodes = [StepShape.of([1] * b, [c] * b, b) for b in (1, 4, 16, 32) for c in (64, 512)]
+    prompts = [StepShape.of([q], [q + c], 1) for q in (16, 128, 512, 1024) for c in (0, 512)]
+    shapes = decodes + prompts
+    times = [(decode_truth if s.is_decode else prefill_truth).predict(s) for s in shapes]
+    split = SplitStepModel.fit(shapes, times)
+    for s, t in zip(shapes, times):
+        assert split.predict(s) == pytest.approx(t, rel=1e-6)
+    one_line = LinearStepModel.fit(shapes, times)
+    worst = max(abs(one_line.predict(s) / t - 1) for s, t in zip(shapes, times))
+    assert worst > 0.1  # which one line through both cannot do
+    assert step_model_from_dict(split.to_dict()) == split
 
 
 def test_analytic_model_is_a_roofline():
