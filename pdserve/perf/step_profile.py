@@ -139,7 +139,7 @@ def run_scenarios(core: EngineCore, repeats: int, log=print) -> list[Sample]:
             run(256 + batch, 256)
         # serving's steady state: requests of spread lengths arriving while others decode, so
         # decode batches hold contexts of every length over a cache that has seen turnover
-        for i in range(STEADY_REQUESTS):
+        for _ in range(STEADY_REQUESTS):
             add(rng.randrange(64, 1024), rng.randrange(16, 96))
             run(512, 256, until=lambda n=len(samples): len(samples) >= n + STEADY_GAP_STEPS)
         run(512, 256)
