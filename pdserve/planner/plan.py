@@ -57,6 +57,7 @@ class Ranked:
     goodput: float  # req/s at which `target` of the requests meet the SLO
     attainment_at_load: float | None  # at the workload's own rate
     summary_at_goodput: dict = field(default_factory=dict)
+    capped: bool = False  # met the target at the highest rate tried: goodput is a lower bound
 
     @property
     def per_device(self) -> float:
@@ -154,13 +155,19 @@ def rank(
     target: float = 0.9,
     high: float = 8.0,
     local_client: bool = False,
+    min_span_s: float | None = None,
 ) -> list[Ranked]:
     """Every candidate's goodput on `requests` (its rate found by scaling their arrival times,
-    up to `high` times their own rate), best goodput per device first."""
+    up to `high` times their own rate), best goodput per device first. `min_span_s` caps the
+    scale so that the arrivals still span that long: sped up further, a finite set of requests
+    is one burst, whose attainment says what a burst of that size costs, not what rate the
+    deployment sustains (a goodput at the cap is then a lower bound: `Ranked.capped`)."""
     if not requests:
         raise ValueError("no requests to plan for")
     duration = max(r.send_at_s for r in requests) or 1.0
     base_rate = len(requests) / duration
+    if min_span_s is not None:
+        high = min(high, duration / min_span_s)
     out = []
     for c in cands:
 
@@ -176,7 +183,7 @@ def rank(
             return sim.run(scaled(requests, scale)).records
 
         at_load = summarize(run(1.0), slo)["slo_attainment"]
-        scale, summary = goodput(run, slo, target, high=high)
-        out.append(Ranked(c, scale * base_rate, at_load, summary))
+        scale, summary = goodput(run, slo, target, low=min(0.05, high), high=high)
+        out.append(Ranked(c, scale * base_rate, at_load, summary, capped=scale >= high))
     out.sort(key=lambda r: (-r.per_device, r.candidate.name))
     return out
