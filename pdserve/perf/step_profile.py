@@ -98,9 +98,10 @@ def run_scenarios(core: EngineCore, repeats: int, log=print) -> list[Sample]:
         return [rng.randrange(3, vocab) for _ in range(min(n, max_len - 64))]
 
     def add(n_prompt: int, max_tokens: int) -> None:
-        rid = f"p{next(counter)}"
+        rid, tokens = f"p{next(counter)}", prompt(n_prompt)
+        max_tokens = min(max_tokens, max_len - len(tokens))  # a small model's context bounds both
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        core.add_request(core.make_request(rid, prompt(n_prompt), params))
+        core.add_request(core.make_request(rid, tokens, params))
 
     def run(budget: int, chunk: int = 0, until=None) -> None:
         sched = core.scheduler

@@ -56,4 +56,7 @@ def test_a_measured_profile_fits_this_machine(stories_path, tmp_path):
     assert "fit error" in text
     d = json.loads(prof.read_text())
     assert d["kind"] == "measured" and set(d["step_models"]) == {"1"}
-    assert d["step_models"]["1"]["overhead"] > 0 and d["transfers"]["shm"]["bytes_per_s"] > 0
+    fitted = d["step_models"]["1"]
+    parts = [fitted["decode"], fitted["prefill"]] if fitted["kind"] == "split" else [fitted]
+    assert all(part["overhead"] > 0 and part["per_token"] > 0 for part in parts)
+    assert d["transfers"]["shm"]["bytes_per_s"] > 0
