@@ -56,9 +56,10 @@ def test_a_decode_bound_run_is_called_decode_bound(server, tmp_path, capsys):
     assert "against 2 ms" in v["summary"] and "decode batches of" in v["summary"]
     assert any("--max-num-seqs" in a for a in v["actions"])
     # the same run judged against a generous TPOT target is within its SLO
-    assert advise_json(capsys, "--bench", run, "--slo", "ttft_ms=60000,tpot_ms=5000")[
-        "bound"
-    ] in ("balanced", "under-loaded")
+    assert advise_json(capsys, "--bench", run, "--slo", "ttft_ms=60000,tpot_ms=5000")["bound"] in (
+        "balanced",
+        "under-loaded",
+    )
     server.wait_idle()
 
 
@@ -82,8 +83,11 @@ def test_live_advice_reads_the_server_while_it_runs(server, capsys):
         with httpx.Client(timeout=120) as client:
             while not stop.is_set():
                 threads = [
-                    threading.Thread(target=client.post, args=(server.url + "/v1/completions",),
-                                     kwargs={"json": body})  # fmt: skip
+                    threading.Thread(
+                        target=client.post,
+                        args=(server.url + "/v1/completions",),
+                        kwargs={"json": body},
+                    )  # fmt: skip
                     for _ in range(48)
                 ]
                 for t in threads:
