@@ -172,6 +172,18 @@ class EngineArgs:
         help="matmul kernels: oneDNN with weights prepacked at load (CPU float32; auto uses it "
         "where available) or torch's F.linear (see pdserve/models/packed_linear.py)",
     )
+    quantization: str = setting(
+        "none",
+        choices=("none", "int8", "int4"),
+        help="weight-only quantization at load: int8 (a scale per output channel) or int4 "
+        "(a scale per group of input features); activations stay float32; CPU (see "
+        "pdserve/models/quant_linear.py)",
+    )
+    quantization_group_size: int = setting(
+        32,
+        choices=(32, 64, 128),
+        help="input features per int4 scale",
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -114,7 +114,7 @@ class Option:
         if not _has_kind(value, self.kind):
             return "must be " + _KIND_NAMES[self.kind]
         if self.choices and value not in self.choices:
-            return "must be one of " + ", ".join(self.choices)
+            return "must be one of " + ", ".join(map(str, self.choices))
         return next((c.why for c in self.setting.checks if not c.ok(value)), None)
 
 

@@ -65,6 +65,8 @@ class EngineCore:
             args.seed,
             kv_cache_factory=self.connector.kv_cache_factory(),
             linear_backend=args.linear_backend,
+            quantization=args.quantization,
+            group_size=args.quantization_group_size,
         )
         self.kv = KVCacheManager(
             self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching

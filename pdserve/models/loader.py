@@ -9,6 +9,7 @@ the checkpoint does not fill, a tensor of the wrong shape and an unreadable file
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from torch import nn
 from pdserve.config import ModelConfig
 from pdserve.models.attention import AttentionBackend
 from pdserve.models.registry import model_class
+
+logger = logging.getLogger(__name__)
 
 # checkpoint name fragment -> (fused parameter fragment, index of the shard within it)
 _FUSED = {
@@ -97,10 +100,14 @@ def load_model(
     max_len: int,
     linear_backend: str = "auto",
     attn_backend: AttentionBackend | None = None,
+    quantization: str = "none",
+    group_size: int = 32,
 ) -> nn.Module:
     """Build and fill the model. `linear_backend`: "torch" (F.linear), "onednn" (prepacked
     weights, CPU float32), or "auto" (onednn where available). `attn_backend`: how its layers
-    attend (None: the model's default, `PagedSDPABackend`)."""
+    attend (None: the model's default, `PagedSDPABackend`). `quantization`: "int8" or "int4"
+    replaces every linear layer (the tied output head included) by its weight-only quantized
+    form, whatever `linear_backend` says."""
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg, attn_backend)
@@ -140,8 +147,39 @@ def load_model(
             f"weights missing from {', '.join(f.name for f in files)}: {', '.join(missing)}"
         )
     model.rope.build(max_len, device, dtype)
-    _select_linear_backend(model, linear_backend, device, dtype)
+    if quantization != "none":
+        quantize_linears(model, quantization, group_size, device, dtype)
+    else:
+        _select_linear_backend(model, linear_backend, device, dtype)
     return model.eval()
+
+
+def quantize_linears(model: nn.Module, quantization: str, group_size: int, device, dtype) -> None:
+    from pdserve.kernels.quant import available
+    from pdserve.models.packed_linear import replace_linears
+    from pdserve.models.quant_linear import Int4Linear, Int8Linear
+
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(
+            f"invalid quantization={quantization!r}: weight-only quantization runs on the CPU "
+            f"with float32 activations (device={device}, dtype={dtype})"
+        )
+    native, why = available()
+    if not native:
+        logger.warning("quantized layers dequantize every step (slow): %s", why)
+    before = sum(p.numel() * p.element_size() for p in model.parameters())
+    if quantization == "int8":
+        replace_linears(model, lambda w, b: Int8Linear(w, b, native))
+    elif quantization == "int4":
+        replace_linears(model, lambda w, b: Int4Linear(w, b, native, group_size))
+    else:
+        raise ValueError(f"invalid quantization={quantization!r}: choose none, int8 or int4")
+    after = sum(p.numel() * p.element_size() for p in model.parameters())
+    after += sum(m.nbytes for m in model.modules() if hasattr(m, "nbytes"))
+    logger.info(
+        "weights %s: %.1f MiB -> %.1f MiB (the embedding table stays float for the input gather)",
+        quantization, before / 2**20, after / 2**20,
+    )  # fmt: skip
 
 
 def _select_linear_backend(model: nn.Module, backend: str, device, dtype) -> None:

@@ -81,6 +81,8 @@ class ModelRunner:
         seed: int = 0,
         kv_cache_factory=None,
         linear_backend: str = "auto",
+        quantization: str = "none",
+        group_size: int = 32,
     ) -> None:
         """`kv_cache_factory(shape, dtype)` allocates the KV cache (default: zeros in this
         process; disaggregated decode workers put it in shared memory)."""
@@ -91,7 +93,13 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         torch.manual_seed(seed)
         self.model = load_model(
-            model_config, self.device, self.dtype, self.max_model_len, linear_backend
+            model_config,
+            self.device,
+            self.dtype,
+            self.max_model_len,
+            linear_backend,
+            quantization=quantization,
+            group_size=group_size,
         )
         self.num_blocks = self._num_blocks(cache_config)
         shape = (

@@ -453,3 +453,17 @@ def test_mismatched_workers_fail_at_startup(stories_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "disagree on the KV layout" in proc.stderr and "block_size 32 != 16" in proc.stderr
+
+
+@SLOW
+def test_int8_weights_disaggregated_equal_the_offline_engine(stories_path):
+    """Both workers quantize at load; the KV that crosses between them is float as before."""
+    params = SamplingParams(max_tokens=24, temperature=0)
+    expect = LLM(stories_path, quantization="int8").generate([STORY], params)[0].outputs[0].text
+    s = start_server(stories_path, "--quantization", "int8",
+                     "--prefill-workers", "1", "--decode-workers", "1")  # fmt: skip
+    try:
+        assert completion(s, STORY, max_tokens=24)["choices"][0]["text"] == expect
+        s.wait_idle()
+    finally:
+        s.stop()

@@ -50,6 +50,8 @@ SAMPLES = {
         num_threads=3,
         hardware_profile="hw.json",
         linear_backend="torch",
+        quantization="int8",
+        quantization_group_size=128,
     ),
     ServerConfig: dict(
         profile="batch",
@@ -224,6 +226,8 @@ def test_enum_settings_take_their_choices_from_the_enum():
         ({"max_num_seqs": "8"}, "max_num_seqs='8': must be an integer"),
         ({"kv_cache_memory": "lots"}, "kv_cache_memory='lots'"),
         ({"linear_backend": "mkl"}, "must be one of auto, onednn, torch"),
+        ({"quantization": "fp8"}, "must be one of none, int8, int4"),
+        ({"quantization_group_size": 48}, "must be one of 32, 64, 128"),
     ],
 )
 def test_engine_args_in_code_are_checked_like_flags(kwargs, match):

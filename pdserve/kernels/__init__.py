@@ -1,0 +1,1 @@
+"""Native kernels pdserve builds for the machine it runs on (see `build.py`)."""
