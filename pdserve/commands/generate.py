@@ -91,6 +91,9 @@ def print_summary(s: dict) -> None:
         f"  decode              {s['decode_tokens']} tokens, {s['decode_tokens_per_s']:.1f} tokens/s"
         f"  (MBU {pct(s['decode_mbu'])})"
     )
+    if s.get("decode_bytes_per_step"):
+        print(f"  bytes per decode step {s['decode_bytes_per_step'] / 2**20:.1f} MiB "
+              f"(weights {s['weights']})")  # fmt: skip
     print(f"  ITL p50 / p99       {ms(s['itl_p50_s'])} / {ms(s['itl_p99_s'])}")
     print(f"  prefix cache hits   {pct(s['prefix_hit_rate'])}")
     if s["prefill_mfu"] is None:

@@ -63,6 +63,7 @@ class StepStatsRecorder:
             dtype_bytes=self.runner.dtype.itemsize,
             qkv_bias=c.qkv_bias,
             qk_norm=c.qk_norm,
+            matmul_bytes_per_param=getattr(self.runner, "matmul_bytes_per_param", None),
         )
         self._peaks_threads = -1
         self._update_peaks()

@@ -37,6 +37,8 @@ def summarize(outputs: list[RequestOutput], stats: StepStatsRecorder) -> dict:
     span = (max(ends) - min(firsts)) if firsts and ends else 0.0
     prefill_mfu, _ = stats.phase_mfu_mbu("prefill")
     _, decode_mbu = stats.phase_mfu_mbu("decode")
+    decode = stats.totals.get("decode")
+    mb = stats.shape.matmul_bytes_per_param
     return {
         "num_requests": len(outputs),
         "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
@@ -56,4 +58,9 @@ def summarize(outputs: list[RequestOutput], stats: StepStatsRecorder) -> dict:
         ),
         "prefill_mfu": prefill_mfu,
         "decode_mbu": decode_mbu,
+        # what one decode step reads (weights as stored, KV), the mean over the batch's steps
+        "decode_bytes_per_step": decode.bytes / decode.steps if decode and decode.steps else None,
+        "weights": f"{mb:.3f} bytes per matrix weight"
+        if mb
+        else f"{stats.shape.dtype_bytes} bytes per weight",
     }

@@ -136,3 +136,12 @@ class Int4Linear(_QuantLinear):
 
     def _quantized(self):
         return self.q, self.scale
+
+
+def quantized_bytes_per_param(model: nn.Module) -> float | None:
+    """Stored bytes per weight of the model's quantized matrices (scales included), or None
+    where none is quantized: what a step reads of them, for the bandwidth accounting."""
+    layers = [m for m in model.modules() if isinstance(m, _QuantLinear)]
+    if not layers:
+        return None
+    return sum(m.nbytes for m in layers) / sum(m.in_features * m.out_features for m in layers)

@@ -28,7 +28,10 @@ class ModelShape:
     """The shapes of a Llama-family decoder that its step cost depends on.
 
     `dtype_bytes` is the size of one weight element, and of one KV cache element unless
-    `kv_dtype_bytes` is given.
+    `kv_dtype_bytes` is given; `matmul_bytes_per_param`, where set, is the size of one weight of
+    the matrices (projections and output head) as stored (weight-only quantization: int8 about
+    1, int4 about 0.6 with its scales), the rest (norms, the embedding table) staying at
+    `dtype_bytes`.
     """
 
     hidden_size: int
@@ -45,6 +48,7 @@ class ModelShape:
     mlp_bias: bool = False
     qk_norm: bool = False
     kv_dtype_bytes: int | None = None
+    matmul_bytes_per_param: float | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -55,6 +59,10 @@ class ModelShape:
             raise ValueError(
                 f"ModelShape.num_kv_heads={self.num_kv_heads}: "
                 f"must divide num_heads={self.num_heads}"
+            )
+        if self.matmul_bytes_per_param is not None and not self.matmul_bytes_per_param > 0:
+            raise ValueError(
+                f"ModelShape.matmul_bytes_per_param={self.matmul_bytes_per_param!r}: must be > 0"
             )
         if self.kv_dtype_bytes is not None and self.kv_dtype_bytes < 1:
             raise ValueError(f"ModelShape.kv_dtype_bytes={self.kv_dtype_bytes!r}: must be >= 1")
@@ -188,6 +196,8 @@ def step_cost(
     - weight bytes    = (L * layer_params + h) * dtype_bytes     (layers and final norm)
                         + T * h * dtype_bytes                    (embedding rows gathered)
                         + V * h * dtype_bytes if num_sampled     (lm_head, tied or not)
+                        with the matrices (L * P and the lm_head) at matmul_bytes_per_param
+                        instead where that is set
     - KV read bytes   = sum(ctx_lens) * kv_bytes_per_token       (the new tokens' KV included:
                         it is written to the cache and read back by the attention kernel)
     - KV write bytes  = T * kv_bytes_per_token
@@ -207,12 +217,14 @@ def step_cost(
     attention_flops = 4 * layers * shape.num_heads * shape.head_dim * pairs
     lm_head_flops = 2 * h * shape.vocab_size * num_sampled
 
-    weight_elems = layers * shape.layer_params + h + num_tokens * h
+    matrix_elems = layers * shape.layer_matmul_params
     if num_sampled:
-        weight_elems += shape.embedding_params
+        matrix_elems += shape.embedding_params
+    other_elems = layers * (shape.layer_params - shape.layer_matmul_params) + h + num_tokens * h
+    matrix_bytes = shape.matmul_bytes_per_param or shape.dtype_bytes
     return StepCost(
         flops=float(linear_flops + attention_flops + lm_head_flops),
-        weight_bytes=float(weight_elems * shape.dtype_bytes),
+        weight_bytes=float(matrix_elems * matrix_bytes + other_elems * shape.dtype_bytes),
         kv_read_bytes=float(sum(ctx_lens) * shape.kv_bytes_per_token),
         kv_write_bytes=float(num_tokens * shape.kv_bytes_per_token),
         attention_flops=float(attention_flops),

@@ -16,6 +16,7 @@ import torch
 from pdserve.config import CacheConfig, ModelConfig
 from pdserve.models.attention import AttentionMetadata, PrefillChunk
 from pdserve.models.loader import load_model
+from pdserve.models.quant_linear import quantized_bytes_per_param
 from pdserve.request import Request
 from pdserve.runner.sampler import Sampler, SamplingRow, TokenMasks, is_greedy
 from pdserve.sched.scheduler import SchedulerOutput
@@ -101,6 +102,7 @@ class ModelRunner:
             quantization=quantization,
             group_size=group_size,
         )
+        self.matmul_bytes_per_param = quantized_bytes_per_param(self.model)
         self.num_blocks = self._num_blocks(cache_config)
         shape = (
             model_config.num_layers,

@@ -1,0 +1,126 @@
+"""Weight-only quantization on the CPU: decode and prefill per precision, side by side in one run.
+
+    python benchmarks/quant_bench.py [--threads 2] [--output quant.json]     # ~5 min
+
+On the random llama-125m (the engine benchmarks' model), for float32 (oneDNN, prepacked),
+int8 and int4 (groups of 32) weights: batch-1 decode tokens/s (128-token prompt, 128 new
+tokens), decode at batch 8 and 32, and one 512-token prefill; the bytes one decode step reads
+(the engine's accounting: weights as stored, KV) and the bandwidth roofline they allow at this
+machine's measured read bandwidth; and Hugging Face `generate` at batch 1 (float32) as the
+outside reference. Every measurement waits for a quiet CPU and is retried when disturbed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.engine_common import BenchConfig, greedy, make_model, random_prompts  # noqa: E402
+from lib.hf_baseline import bench_hf_decode, load_hf  # noqa: E402
+from lib.machine import code_info, machine_info  # noqa: E402
+from lib.quiet import Quiet  # noqa: E402
+
+from pdserve import LLM  # noqa: E402
+from pdserve.perf.hardware import measure_bandwidth  # noqa: E402
+
+PRECISIONS = ("none", "int8", "int4")
+
+
+def decode_rate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """(decode tokens/s of the batch, mean bytes per decode step)."""
+    totals = llm.engine.core.stats.totals
+    before = totals.get("decode")
+    b0, s0 = (before.bytes, before.steps) if before else (0.0, 0)
+    outs = llm.generate(prompts, greedy(new_tokens))
+    m = [o.metrics for o in outs]
+    tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+    span = max(x.finished_time for x in m) - min(x.first_token_time for x in m)
+    after = totals["decode"]
+    return tokens / span, (after.bytes - b0) / (after.steps - s0)
+
+
+def prefill_rate(llm: LLM, prompt: list[int]) -> float:
+    llm.generate([prompt], greedy(1))  # warm
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        llm.generate([prompt], greedy(1))
+        best = min(best, time.perf_counter() - t0)
+    return len(prompt) / best
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model-dir", type=Path, help="reuse (or create) the model folder here")
+    p.add_argument("--output", type=Path)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = make_model(args.model_dir or Path("/tmp/pdbench/llama-125m"))
+    quiet = Quiet(tries=3, quiet_wait_s=20.0, patience_s=180.0)
+    rng = random.Random(0)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    short = random_prompts(rng, [128] * 32, vocab)
+    long = random_prompts(rng, [512], vocab)[0]
+
+    read_bw, _ = quiet.run("read bandwidth", lambda: measure_bandwidth(3.0)).value
+    print(f"read bandwidth {read_bw / 1e9:.1f} GB/s ({args.threads} threads)")
+    rows = {}
+    for q in PRECISIONS:
+        llm = LLM(str(model_dir), num_threads=args.threads, quantization=q)
+        llm.generate(short[:2], greedy(8))  # warm: kernels built, caches touched
+        row = {}
+        for batch in (1, 8, 32):
+            m = quiet.run(
+                f"{q} decode batch {batch}",
+                lambda b=batch, llm=llm: decode_rate(llm, short[:b], 128),
+            )
+            row[f"decode_b{batch}_tokens_s"], nbytes = m.value
+            if batch == 1:
+                row["bytes_per_step"] = nbytes
+                row["roofline_tokens_s"] = read_bw / nbytes
+                row["roofline_fraction"] = row["decode_b1_tokens_s"] / row["roofline_tokens_s"]
+        row["prefill_512_tokens_s"] = quiet.run(
+            f"{q} prefill", lambda llm=llm: prefill_rate(llm, long)
+        ).value
+        rows[q] = row
+        print(
+            f"{q:5s} batch-1 decode {row['decode_b1_tokens_s']:6.1f} tok/s "
+            f"({row['roofline_fraction']:.0%} of {row['roofline_tokens_s']:.1f}, "
+            f"{row['bytes_per_step'] / 2**20:.0f} MiB/step) | b8 {row['decode_b8_tokens_s']:.1f} "
+            f"| b32 {row['decode_b32_tokens_s']:.1f} | prefill 512: {row['prefill_512_tokens_s']:.0f} tok/s",
+            flush=True,
+        )
+    cfg = BenchConfig(decode_prompt_len=128, decode_output_len=128)
+    hf = bench_hf_decode(cfg, quiet, load_hf(model_dir), short[0])["tokens_s"]
+    print(f"HF generate batch-1 decode (float32): {hf:.1f} tok/s")
+    base = rows["none"]
+    print(
+        "\n| weights | batch-1 decode tok/s | x float32 | of roofline | MiB / step | batch 8 | batch 32 | prefill 512 tok/s |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for q, r in rows.items():
+        name = {"none": "float32 (oneDNN)", "int8": "int8", "int4": "int4 (g32)"}[q]
+        print(
+            f"| {name} | {r['decode_b1_tokens_s']:.1f} | {r['decode_b1_tokens_s'] / base['decode_b1_tokens_s']:.2f}x "
+            f"| {r['roofline_fraction']:.0%} | {r['bytes_per_step'] / 2**20:.0f} | {r['decode_b8_tokens_s']:.1f} "
+            f"| {r['decode_b32_tokens_s']:.1f} | {r['prefill_512_tokens_s']:.0f} |"
+        )
+    print(f"| HF generate, float32 | {hf:.1f} | {hf / base['decode_b1_tokens_s']:.2f}x | | | | | |")
+    if args.output:
+        out = {"machine": machine_info(), "code": code_info(), "threads": args.threads,
+               "read_bandwidth": read_bw, "precisions": rows, "hf_decode_b1_tokens_s": hf,
+               "quiet_log": quiet.log}  # fmt: skip
+        args.output.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
