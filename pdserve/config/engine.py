@@ -179,6 +179,14 @@ class EngineArgs:
         "(a scale per group of input features); activations stay float32; CPU (see "
         "pdserve/models/quant_linear.py)",
     )
+    kv_cache_dtype: str = setting(
+        "auto",
+        choices=("auto", "int8"),
+        group=KV_GROUP,
+        help="KV cache elements: auto (the model's dtype) or int8 with a float32 scale per token "
+        "and KV head (about 0.27x float32's bytes at head_dim 64, so ~3.8x the tokens fit); "
+        "disaggregated workers must agree (see pdserve/models/kv_quant.py)",
+    )
     quantization_group_size: int = setting(
         32,
         choices=(32, 64, 128),

@@ -15,16 +15,23 @@ from __future__ import annotations
 
 import msgspec
 
+from pdserve.kv.rows import row_width
+
 from pdserve.types import KVTransportKind
 
 
 class KVLayout(msgspec.Struct, frozen=True):
     model: str  # the model's identity: architecture and shapes (see `model_identity`)
-    dtype: str
+    dtype: str  # of the KV cache's elements: the model's dtype, or "int8" (rows carry scales)
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one cache row (one token, one KV head): an int8 row ends in its scale."""
+        return row_width(self.head_dim, self.dtype == "int8")
 
     def mismatch(self, other: KVLayout) -> str | None:
         """A sentence naming every field that differs, or None when the layouts agree."""

@@ -67,6 +67,7 @@ class EngineCore:
             linear_backend=args.linear_backend,
             quantization=args.quantization,
             group_size=args.quantization_group_size,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         self.kv = KVCacheManager(
             self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching

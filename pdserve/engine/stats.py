@@ -41,6 +41,15 @@ class PhaseTotals:
     bytes: float = 0.0
 
 
+def _kv_bytes_per_value(runner, head_dim: int) -> float | None:
+    """Stored bytes per KV value where the cache is not the model's dtype (int8 rows with their
+    scale: (head_dim + 4) / head_dim), else None."""
+    kv_dtype = getattr(runner, "kv_dtype", None)
+    if kv_dtype is None or kv_dtype == runner.dtype:
+        return None
+    return runner.kv_row_width * kv_dtype.itemsize / head_dim
+
+
 @dataclass
 class StepStatsRecorder:
     model_config: object
@@ -64,6 +73,7 @@ class StepStatsRecorder:
             qkv_bias=c.qkv_bias,
             qk_norm=c.qk_norm,
             matmul_bytes_per_param=getattr(self.runner, "matmul_bytes_per_param", None),
+            kv_dtype_bytes=_kv_bytes_per_value(self.runner, c.head_dim),
         )
         self._peaks_threads = -1
         self._update_peaks()

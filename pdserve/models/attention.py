@@ -20,6 +20,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from pdserve.models import kv_quant
+
 
 @dataclass(slots=True)
 class PrefillChunk:
@@ -49,7 +51,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [T, Hq, D]
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
-        kv_cache: torch.Tensor,  # [2, num_slots, Hkv, D], this layer's
+        kv_cache: torch.Tensor,  # [2, num_slots, Hkv, D] (int8: D + 4), this layer's
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, Hq * D]
         ...
@@ -71,8 +73,8 @@ class PagedSDPABackend:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
-        kv_cache[0].index_copy_(0, meta.slot_mapping, k)
-        kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+        kv_quant.store(kv_cache[0], meta.slot_mapping, k)
+        kv_quant.store(kv_cache[1], meta.slot_mapping, v)
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         if nd:
@@ -88,8 +90,9 @@ class PagedSDPABackend:
         num_kv_heads = kv_cache.shape[2]
         # Group the query heads that share a KV head: [nd, Hkv, G, D] against [nd, Hkv, L, D].
         qd = q.view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        kd = kv_cache[0][meta.decode_slots].transpose(1, 2)  # [nd, L, Hkv, D] -> [nd, Hkv, L, D]
-        vd = kv_cache[1][meta.decode_slots].transpose(1, 2)
+        # [nd, L, Hkv, D] -> [nd, Hkv, L, D]
+        kd = kv_quant.load(kv_cache[0], meta.decode_slots, q.dtype).transpose(1, 2)
+        vd = kv_quant.load(kv_cache[1], meta.decode_slots, q.dtype).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
         return od.reshape(nd, num_heads, head_dim)
 
@@ -102,10 +105,12 @@ class PagedSDPABackend:
         chunk: PrefillChunk,
     ) -> torch.Tensor:  # [Lq, Hq, D] for the chunk's queries
         qp = q[chunk.q_start : chunk.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
-        if chunk.ctx_slots is None:
-            kp, vp = k[chunk.q_start : chunk.q_end], v[chunk.q_start : chunk.q_end]
-        else:
-            kp, vp = kv_cache[0][chunk.ctx_slots], kv_cache[1][chunk.ctx_slots]  # [Lk, Hkv, D]
+        if chunk.ctx_slots is None:  # its own tokens, as the cache holds them
+            kp = kv_quant.round_trip(k[chunk.q_start : chunk.q_end], kv_cache)
+            vp = kv_quant.round_trip(v[chunk.q_start : chunk.q_end], kv_cache)
+        else:  # [Lk, Hkv, D]
+            kp = kv_quant.load(kv_cache[0], chunk.ctx_slots, q.dtype)
+            vp = kv_quant.load(kv_cache[1], chunk.ctx_slots, q.dtype)
         kp = kp.transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lk, D]
         vp = vp.transpose(0, 1).unsqueeze(0)
         op = F.scaled_dot_product_attention(

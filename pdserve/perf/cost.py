@@ -47,7 +47,7 @@ class ModelShape:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    kv_dtype_bytes: int | None = None
+    kv_dtype_bytes: float | None = None
     matmul_bytes_per_param: float | None = None
 
     def __post_init__(self) -> None:
@@ -64,8 +64,8 @@ class ModelShape:
             raise ValueError(
                 f"ModelShape.matmul_bytes_per_param={self.matmul_bytes_per_param!r}: must be > 0"
             )
-        if self.kv_dtype_bytes is not None and self.kv_dtype_bytes < 1:
-            raise ValueError(f"ModelShape.kv_dtype_bytes={self.kv_dtype_bytes!r}: must be >= 1")
+        if self.kv_dtype_bytes is not None and not self.kv_dtype_bytes > 0:
+            raise ValueError(f"ModelShape.kv_dtype_bytes={self.kv_dtype_bytes!r}: must be > 0")
 
     @classmethod
     def from_hf_config(
@@ -101,8 +101,9 @@ class ModelShape:
         )
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """KV cache bytes of one token over all layers: layers * 2 (K, V) * kv_heads * head_dim."""
+    def kv_bytes_per_token(self) -> float:
+        """KV cache bytes of one token over all layers: layers * 2 (K, V) * kv_heads * head_dim
+        * bytes per value (an int8 cache's per-row scales included in its bytes per value)."""
         kv_dtype_bytes = self.kv_dtype_bytes or self.dtype_bytes
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * kv_dtype_bytes
 

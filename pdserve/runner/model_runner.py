@@ -15,6 +15,7 @@ import torch
 
 from pdserve.config import CacheConfig, ModelConfig
 from pdserve.models.attention import AttentionMetadata, PrefillChunk
+from pdserve.models.kv_quant import KV_CACHE_DTYPES, row_width
 from pdserve.models.loader import load_model
 from pdserve.models.quant_linear import quantized_bytes_per_param
 from pdserve.request import Request
@@ -84,6 +85,7 @@ class ModelRunner:
         linear_backend: str = "auto",
         quantization: str = "none",
         group_size: int = 32,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """`kv_cache_factory(shape, dtype)` allocates the KV cache (default: zeros in this
         process; disaggregated decode workers put it in shared memory)."""
@@ -103,26 +105,31 @@ class ModelRunner:
             group_size=group_size,
         )
         self.matmul_bytes_per_param = quantized_bytes_per_param(self.model)
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"invalid kv_cache_dtype={kv_cache_dtype!r}: choose auto or int8")
+        # int8: each row carries its scale (models/kv_quant.py); auto: the model's dtype
+        self.kv_dtype = torch.int8 if kv_cache_dtype == "int8" else self.dtype
+        self.kv_row_width = row_width(model_config.head_dim, self.kv_dtype == torch.int8)
         self.num_blocks = self._num_blocks(cache_config)
         shape = (
             model_config.num_layers,
             2,
             self.num_blocks * self.block_size,
             model_config.num_kv_heads,
-            model_config.head_dim,
+            self.kv_row_width,
         )
         if kv_cache_factory is None:
-            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         else:
-            cache = kv_cache_factory(shape, self.dtype)
+            cache = kv_cache_factory(shape, self.kv_dtype)
         self.kv_caches = list(cache.unbind(0))  # per layer [2, num_slots, Hkv, D]
         self.sampler = Sampler(model_config.eos_token_ids)
 
     @property
     def kv_bytes_per_block(self) -> int:
         c = self.config
-        elem = torch.finfo(self.dtype).bits // 8
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * elem
+        elem = self.kv_dtype.itemsize
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * self.kv_row_width * elem
 
     def _num_blocks(self, cache: CacheConfig) -> int:
         if cache.num_blocks is not None:

@@ -467,3 +467,20 @@ def test_int8_weights_disaggregated_equal_the_offline_engine(stories_path):
         s.wait_idle()
     finally:
         s.stop()
+
+
+@SLOW
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_int8_kv_cache_disaggregated_equals_the_offline_engine(stories_path, transport):
+    """The transfer ships the quantized rows with their scales, over either transport."""
+    params = SamplingParams(max_tokens=24, temperature=0)
+    offline = LLM(stories_path, kv_cache_dtype="int8")
+    expect = offline.generate([STORY], params)[0].outputs[0].text
+    s = start_server(stories_path, "--kv-cache-dtype", "int8", "--kv-transport", transport,
+                     "--prefill-workers", "1", "--decode-workers", "1")  # fmt: skip
+    try:
+        assert completion(s, STORY, max_tokens=24)["choices"][0]["text"] == expect
+        assert s.metric("pdserve_kv_transfer_bytes_total") > 0  # it went through the connector
+        s.wait_idle()
+    finally:
+        s.stop()

@@ -52,6 +52,7 @@ SAMPLES = {
         linear_backend="torch",
         quantization="int8",
         quantization_group_size=128,
+        kv_cache_dtype="int8",
     ),
     ServerConfig: dict(
         profile="batch",
@@ -228,6 +229,7 @@ def test_enum_settings_take_their_choices_from_the_enum():
         ({"linear_backend": "mkl"}, "must be one of auto, onednn, torch"),
         ({"quantization": "fp8"}, "must be one of none, int8, int4"),
         ({"quantization_group_size": 48}, "must be one of 32, 64, 128"),
+        ({"kv_cache_dtype": "fp8"}, "must be one of auto, int8"),
     ],
 )
 def test_engine_args_in_code_are_checked_like_flags(kwargs, match):

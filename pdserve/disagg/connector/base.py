@@ -40,7 +40,7 @@ def seal(key: bytes, envelope: KVEnvelope, slots: bytes = b"", data_len: int = 0
 def layout_of(core) -> KVLayout:
     """What two workers must agree on to exchange KV (checked in the handshake)."""
     runner, mc = core.runner, core.model_config
-    dtype = str(runner.dtype).removeprefix("torch.")
+    dtype = str(runner.kv_dtype).removeprefix("torch.")
     return KVLayout(
         model_identity(mc), dtype, mc.num_layers, mc.num_kv_heads, mc.head_dim, runner.block_size
     )

@@ -67,7 +67,7 @@ class KVReceiver:
         self.reservation = reservation  # the block ids a request holds for remote KV, or None
         self.key = key
         self.num_slots = kv_caches[0].shape[1]
-        self.row_bytes = 2 * layout.num_kv_heads * layout.head_dim * kv_caches[0].element_size()
+        self.row_bytes = 2 * layout.num_kv_heads * layout.row_width * kv_caches[0].element_size()
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.RCVHWM, 0)

@@ -98,7 +98,7 @@ class KVSender:
         self.block_size = block_size
         self.layout = layout
         self.bytes_per_token_layer = (
-            2 * layout.num_kv_heads * layout.head_dim * kv_caches[0].element_size()
+            2 * layout.num_kv_heads * layout.row_width * kv_caches[0].element_size()
         )
         self.ctx = zmq.Context.instance()
         self.peers: dict[int, _Peer] = {}

@@ -37,13 +37,13 @@ def shm_cache_factory(path_holder: list[str], directory: str | None = None) -> C
 def map_shm_cache(path: str, layout: KVLayout, dtype: torch.dtype) -> torch.Tensor:
     """Map a decode worker's whole cache file. Its slot count is the decode worker's own (pools
     may size their caches differently), so it comes from the file's size, never from ours."""
-    row = layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim
+    row = layout.num_layers * 2 * layout.num_kv_heads * layout.row_width
     itemsize = torch.empty((), dtype=dtype).element_size()
     size = os.path.getsize(path)
     if size == 0 or size % (row * itemsize):
         raise ValueError(f"{path}: {size} bytes is not a whole KV cache of {layout}")
     num_slots = size // (row * itemsize)
-    shape = (layout.num_layers, 2, num_slots, layout.num_kv_heads, layout.head_dim)
+    shape = (layout.num_layers, 2, num_slots, layout.num_kv_heads, layout.row_width)
     return torch.from_file(path, shared=True, size=size // itemsize, dtype=dtype).view(shape)
 
 
