@@ -8,6 +8,10 @@ tokens), decode at batch 8 and 32, and one 512-token prefill; the bytes one deco
 (the engine's accounting: weights as stored, KV) and the bandwidth roofline they allow at this
 machine's measured read bandwidth; and Hugging Face `generate` at batch 1 (float32) as the
 outside reference. Every measurement waits for a quiet CPU and is retried when disturbed.
+
+Quality (`--quality`, seconds): on the trained stories260K, the perplexity of its reference story
+(../shared/models/README.md) and of three held-out stories under each precision (int4 at group
+sizes 32 and 128) against float32, and where 128 greedy tokens first leave float32's.
 """
 
 from __future__ import annotations
@@ -31,6 +35,54 @@ from pdserve import LLM  # noqa: E402
 from pdserve.perf.hardware import measure_bandwidth  # noqa: E402
 
 PRECISIONS = ("none", "int8", "int4")
+STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+HELD_OUT = [  # written for the quality check, not from the model's training data
+    "Tom had a small dog named Max. Every morning they walked to the river. One day Max found "
+    "a shiny stone and gave it to Tom. Tom was very happy and said thank you.",
+    "Sue liked to bake cakes with her mom. They put sugar, eggs and milk in a big bowl. The "
+    "cake was warm and sweet, and Sue shared it with her friends.",
+    "A little bird could not fly. It sat in a tree and felt sad. A kind boy came and helped "
+    "the bird. Soon the bird was strong and flew up high in the sky.",
+]
+
+
+def quality() -> dict:
+    import math
+    import re
+
+    from pdserve import SamplingParams
+
+    readme = (STORIES.parent / "README.md").read_text()
+    texts = [re.search(r"```\n(.*?)\n```", readme, re.S).group(1), *HELD_OUT]
+
+    def ppl(llm, text):
+        out = llm.generate([text], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+        lps = [lp.logprob for lp in out.prompt_logprobs[1:]]
+        return math.exp(-sum(lps) / len(lps))
+
+    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+    prompt = "Once upon a time, there was a little"
+    results = {}
+    for name, kw in [("float32", {}), ("int8", {"quantization": "int8"}),
+                     ("int4 g32", {"quantization": "int4", "quantization_group_size": 32}),
+                     ("int4 g128", {"quantization": "int4", "quantization_group_size": 128})]:  # fmt: skip
+        llm = LLM(str(STORIES), **kw)
+        tokens = llm.generate([prompt], params)[0].outputs[0].token_ids
+        results[name] = {"ppl": [ppl(llm, t) for t in texts], "greedy": tokens}
+    base = results["float32"]
+    print(
+        "| weights | reference story | held-out 1 | held-out 2 | held-out 3 | greedy: first difference |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, r in results.items():
+        cells = [f"{p:.3f} ({p / b - 1:+.1%})" for p, b in zip(r["ppl"], base["ppl"])]
+        diff = next(
+            (i for i, (a, b) in enumerate(zip(r["greedy"], base["greedy"])) if a != b), None
+        )
+        print(
+            f"| {name} | {' | '.join(cells)} | {'none in 128' if diff is None else f'token {diff}'} |"
+        )
+    return results
 
 
 def decode_rate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
@@ -61,7 +113,11 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model-dir", type=Path, help="reuse (or create) the model folder here")
     p.add_argument("--output", type=Path)
+    p.add_argument("--quality", action="store_true", help="only the quality check on stories260K")
     args = p.parse_args()
+    if args.quality:
+        quality()
+        return 0
     torch.set_num_threads(args.threads)
     model_dir = make_model(args.model_dir or Path("/tmp/pdbench/llama-125m"))
     quiet = Quiet(tries=3, quiet_wait_s=20.0, patience_s=180.0)

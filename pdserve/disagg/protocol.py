@@ -16,7 +16,6 @@ from __future__ import annotations
 import msgspec
 
 from pdserve.kv.rows import row_width
-
 from pdserve.types import KVTransportKind
 
 
