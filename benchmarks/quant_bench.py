@@ -11,7 +11,8 @@ outside reference. Every measurement waits for a quiet CPU and is retried when d
 
 Quality (`--quality`, seconds): on the trained stories260K, the perplexity of its reference story
 (../shared/models/README.md) and of three held-out stories under each precision (int4 at group
-sizes 32 and 128) against float32, and where 128 greedy tokens first leave float32's.
+sizes 32 and 128, and the int8 KV cache alone and with int8 weights) against float32, and where
+128 greedy tokens first leave float32's.
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def quality() -> dict:
     results = {}
     for name, kw in [("float32", {}), ("int8", {"quantization": "int8"}),
                      ("int4 g32", {"quantization": "int4", "quantization_group_size": 32}),
-                     ("int4 g128", {"quantization": "int4", "quantization_group_size": 128})]:  # fmt: skip
+                     ("int4 g128", {"quantization": "int4", "quantization_group_size": 128}),
+                     ("int8 KV", {"kv_cache_dtype": "int8"}),
+                     ("int8 + int8 KV", {"quantization": "int8", "kv_cache_dtype": "int8"})]:  # fmt: skip
         llm = LLM(str(STORIES), **kw)
         tokens = llm.generate([prompt], params)[0].outputs[0].token_ids
         results[name] = {"ppl": [ppl(llm, t) for t in texts], "greedy": tokens}
@@ -130,7 +133,9 @@ def main() -> int:
     print(f"read bandwidth {read_bw / 1e9:.1f} GB/s ({args.threads} threads)")
     rows = {}
     for q in PRECISIONS:
-        llm = LLM(str(model_dir), num_threads=args.threads, quantization=q)
+        llm = LLM(
+            str(model_dir), num_threads=args.threads, quantization=q, enable_prefix_caching=False
+        )
         llm.generate(short[:2], greedy(8))  # warm: kernels built, caches touched
         row = {}
         for batch in (1, 8, 32):

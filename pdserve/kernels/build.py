@@ -51,6 +51,13 @@ def _compiler() -> str:
 
 def build(source: Path) -> Path:
     """The shared library built from `source` for this machine (built now if not cached)."""
+    try:
+        return _build(source)
+    except OSError as e:  # an unwritable cache folder, a full disk
+        raise KernelUnavailable(f"building {source.name} failed: {e}") from e
+
+
+def _build(source: Path) -> Path:
     cc = _compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)

@@ -1,4 +1,4 @@
-"""Weight-only quantized matrix products on the CPU (`cpu_quant.c`) and their torch reference.
+"""Weight-only quantized matrix products on the CPU: the Python side of `cpu_quant.c`.
 
 `int8_linear(x, q, scale, n)` and `int4_linear(x, q, scale, n, k, group_size)` compute
 `x @ dequantize(weights).T` for float32 `x` of any leading shape, with the weights in the panel
@@ -67,6 +67,8 @@ def int4_linear(
     y = torch.empty(rows.shape[0], n, dtype=torch.float32)
     rc = _lib().pd_int4_linear(rows.data_ptr(), rows.shape[0], k, q.data_ptr(), scale.data_ptr(),
                                n, group_size, y.data_ptr())  # fmt: skip
+    if rc == -2:
+        raise ValueError(f"int4_linear: group size {group_size} is not a multiple of 32 up to 512")
     if rc != 0:
         raise MemoryError("int4_linear: no memory for its buffers")
     return y.view(*x.shape[:-1], n)

@@ -5,10 +5,11 @@
   scale per group; the scale maps the group's value of largest magnitude to -8, so all 16 levels
   are used (as llama.cpp's Q4_0 does). Packed two to a byte in the layout `cpu_quant.c` reads.
 
-Activations stay float32. Steps of a few rows (decode) run the native kernel, which streams the
-quantized bytes; steps of many rows (prefill) are compute-bound, so they dequantize the weight
-once and run a float GEMM. Where the native kernel cannot be built the layer dequantizes for
-every step: the same numbers, slower (`pdserve generate` and startup say which path runs).
+Activations stay float32. Every step runs the native kernel (`pdserve/kernels/cpu_quant.c`):
+with a few rows (decode) it streams the quantized bytes, with many (prefill) it is compute-bound
+on the same tiles. Where the kernel cannot be built the layer dequantizes the whole weight for
+every step into a float `F.linear`: the same numbers, slower (startup logs a warning saying so).
+`dequantize()` is also the reference the kernel's tests compare against.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from pdserve.kernels import quant as kernels
 
 QUANTIZATIONS = ("none", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)  # multiples of 32: the kernel reads 16 bytes of a group at a time
-
-
 PANEL, BLOCK = 16, 64  # the kernel's output channels per panel and per thread's block
 
 

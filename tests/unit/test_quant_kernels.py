@@ -3,6 +3,8 @@ and the quantizers' own round trip."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,3 +129,30 @@ def test_activations_of_the_wrong_shape_or_dtype_are_refused():
             kernels.int8_linear(torch.randn(2, 32).double(), layer.q, layer.scale, 64)
         with pytest.raises(ValueError, match=r"\[\.\.\., 32\]"):
             kernels.int8_linear(torch.randn(2, 31), layer.q, layer.scale, 64)
+
+
+def test_a_machine_without_a_compiler_gets_a_reason_not_a_crash(tmp_path, monkeypatch):
+    from pdserve.kernels import build
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(build.KernelUnavailable, match="no C compiler"):
+        build.build(kernels.SOURCE)
+    monkeypatch.setenv("CC", "cc")
+    (tmp_path / "ro").mkdir(mode=0o500)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "ro" / "sub"))
+    if os.geteuid() != 0:  # root writes anywhere
+        with pytest.raises(build.KernelUnavailable):
+            build.build(kernels.SOURCE)
+
+
+def test_the_kernel_cache_is_private_and_reused(tmp_path, monkeypatch):
+    from pdserve.kernels import build
+
+    if not native:
+        pytest.skip(f"native kernels unavailable: {why}")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = build.build(kernels.SOURCE)
+    assert first.parent.stat().st_mode & 0o077 == 0
+    mtime = first.stat().st_mtime_ns
+    assert build.build(kernels.SOURCE) == first and first.stat().st_mtime_ns == mtime
