@@ -37,7 +37,7 @@ from pdserve.perf.hardware import measure_bandwidth  # noqa: E402
 
 PRECISIONS = ("none", "int8", "int4")
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
-HELD_OUT = [  # written for the quality check, not from the model's training data
+HELD_OUT = [  # the held-out stories of tests/conftest.py (written for this check, not training data)
     "Tom had a small dog named Max. Every morning they walked to the river. One day Max found "
     "a shiny stone and gave it to Tom. Tom was very happy and said thank you.",
     "Sue liked to bake cakes with her mom. They put sugar, eggs and milk in a big bowl. The "

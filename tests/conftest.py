@@ -26,6 +26,22 @@ def stories_reference_text() -> str:
     return re.search(r"```\n(.*?)\n```", readme, re.S).group(1)
 
 
+HELD_OUT_STORIES = [  # written for the quantization tests, not from the model's training data
+    "Tom had a small dog named Max. Every morning they walked to the river. One day Max found "
+    "a shiny stone and gave it to Tom. Tom was very happy and said thank you.",
+    "Sue liked to bake cakes with her mom. They put sugar, eggs and milk in a big bowl. The "
+    "cake was warm and sweet, and Sue shared it with her friends.",
+    "A little bird could not fly. It sat in a tree and felt sad. A kind boy came and helped "
+    "the bird. Soon the bird was strong and flew up high in the sky.",
+]
+
+
+@pytest.fixture(scope="session")
+def held_out_stories() -> list[str]:
+    """Stories the tiny model has not seen (benchmarks/quant_bench.py --quality uses the same)."""
+    return HELD_OUT_STORIES
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     """Random-weight folders of each supported architecture, in small shapes."""

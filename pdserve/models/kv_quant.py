@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kv.rows import SCALE_BYTES, row_width  # noqa: F401  (row_width: for the runner)
+from pdserve.kv.rows import SCALE_BYTES
 
 KV_CACHE_DTYPES = ("auto", "int8")
 

@@ -20,7 +20,6 @@ from torch import nn
 
 from pdserve.kernels import quant as kernels
 
-QUANTIZATIONS = ("none", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)  # multiples of 32: the kernel reads 16 bytes of a group at a time
 PANEL, BLOCK = 16, 64  # the kernel's output channels per panel and per thread's block
 

@@ -14,8 +14,9 @@ import numpy as np
 import torch
 
 from pdserve.config import CacheConfig, ModelConfig
+from pdserve.kv.rows import row_width
 from pdserve.models.attention import AttentionMetadata, PrefillChunk
-from pdserve.models.kv_quant import KV_CACHE_DTYPES, row_width
+from pdserve.models.kv_quant import KV_CACHE_DTYPES
 from pdserve.models.loader import load_model
 from pdserve.models.quant_linear import quantized_bytes_per_param
 from pdserve.request import Request

@@ -13,13 +13,6 @@ from pdserve import LLM, SamplingParams
 from pdserve.disagg.protocol import KVLayout
 from pdserve.models import kv_quant
 
-TEXTS = [
-    "Tom had a small dog named Max. Every morning they walked to the river. One day Max found "
-    "a shiny stone and gave it to Tom. Tom was very happy and said thank you.",
-    "A little bird could not fly. It sat in a tree and felt sad. A kind boy came and helped "
-    "the bird. Soon the bird was strong and flew up high in the sky.",
-]
-
 
 def test_rows_round_trip_within_half_a_step_and_carry_their_scale():
     x = torch.randn(5, 3, 64) * torch.logspace(-3, 2, 5)[:, None, None]  # scales far apart
@@ -54,20 +47,25 @@ def perplexity(llm, text):
     return math.exp(-sum(logprobs) / len(logprobs))
 
 
-def test_capacity_and_perplexity_against_float32(stories_path, stories_reference_text):
+def test_capacity_and_perplexity_against_float32(
+    stories_path, stories_reference_text, held_out_stories
+):
     base = LLM(stories_path, kv_cache_memory="4MiB")
     int8 = LLM(stories_path, kv_cache_memory="4MiB", kv_cache_dtype="int8")
     head_dim = base.engine.core.model_config.head_dim  # 8 here: the scale is a third of a row
     ratio = int8.engine.core.runner.num_blocks / base.engine.core.runner.num_blocks
     assert ratio == pytest.approx(4 * head_dim / (head_dim + 4), rel=0.01)
-    for text in [stories_reference_text, *TEXTS]:
+    for text in [stories_reference_text, *held_out_stories]:
         # prompt logprobs read the prompt's KV back from the cache in every chunk after the first
         assert perplexity(int8, text) / perplexity(base, text) - 1 <= 0.01
 
 
 @pytest.mark.parametrize("quant", ["none", "int8"])
-def test_chunked_prefill_and_the_prefix_cache_give_the_same_tokens(stories_path, quant):
-    prompts = [TEXTS[0], TEXTS[0][:90] + " and then", "Lily and Ben"]
+def test_chunked_prefill_and_the_prefix_cache_give_the_same_tokens(
+    stories_path, held_out_stories, quant
+):
+    story = held_out_stories[0]
+    prompts = [story, story[:90] + " and then", "Lily and Ben"]
     params = SamplingParams(max_tokens=24, temperature=0)
     kw = {"kv_cache_dtype": "int8", "quantization": quant}
     whole = LLM(stories_path, enable_prefix_caching=False, **kw)

@@ -16,14 +16,6 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 
-HELD_OUT = [  # written for these tests, not from the model's training data
-    "Tom had a small dog named Max. Every morning they walked to the river. One day Max found "
-    "a shiny stone and gave it to Tom. Tom was very happy and said thank you.",
-    "Sue liked to bake cakes with her mom. They put sugar, eggs and milk in a big bowl. The "
-    "cake was warm and sweet, and Sue shared it with her friends.",
-    "A little bird could not fly. It sat in a tree and felt sad. A kind boy came and helped "
-    "the bird. Soon the bird was strong and flew up high in the sky.",
-]
 BOUNDS = {"int8": 0.01, "int4": 0.25}
 
 
@@ -34,8 +26,8 @@ def perplexity(llm: LLM, text: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def texts(stories_reference_text):
-    return [stories_reference_text, *HELD_OUT]
+def texts(stories_reference_text, held_out_stories):
+    return [stories_reference_text, *held_out_stories]
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +56,11 @@ def test_int8_greedy_tokens_follow_float32(stories_path):
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_chunked_prefill_and_the_prefix_cache_give_the_same_tokens(stories_path, quant):
-    prompts = [HELD_OUT[0], HELD_OUT[0][:90] + " and then", "Lily and Ben"]
+def test_chunked_prefill_and_the_prefix_cache_give_the_same_tokens(
+    stories_path, held_out_stories, quant
+):
+    story = held_out_stories[0]
+    prompts = [story, story[:90] + " and then", "Lily and Ben"]
     params = SamplingParams(max_tokens=24, temperature=0)
     whole = LLM(stories_path, quantization=quant, enable_prefix_caching=False)
     chunked = LLM(stories_path, quantization=quant, max_num_batched_tokens=16)

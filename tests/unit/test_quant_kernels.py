@@ -108,7 +108,7 @@ def test_quantized_products_are_close_to_float():
 
 
 @needs_native
-def test_kernels_follow_torch_thread_count():
+def test_kernels_give_the_same_result_on_one_thread_and_two():
     w, x = weight(256, 128), torch.randn(3, 128)
     layer = Int8Linear(w)
     before = torch.get_num_threads()
@@ -122,13 +122,16 @@ def test_kernels_follow_torch_thread_count():
     torch.testing.assert_close(outs[0], outs[1])
 
 
+@needs_native
 def test_activations_of_the_wrong_shape_or_dtype_are_refused():
-    layer = Int8Linear(weight(64, 32), None, native=native)
-    if native:
-        with pytest.raises(ValueError, match="float32"):
-            kernels.int8_linear(torch.randn(2, 32).double(), layer.q, layer.scale, 64)
-        with pytest.raises(ValueError, match=r"\[\.\.\., 32\]"):
-            kernels.int8_linear(torch.randn(2, 31), layer.q, layer.scale, 64)
+    layer = Int8Linear(weight(64, 32), None)
+    with pytest.raises(ValueError, match="float32"):
+        kernels.int8_linear(torch.randn(2, 32).double(), layer.q, layer.scale, 64)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 32\]"):
+        kernels.int8_linear(torch.randn(2, 31), layer.q, layer.scale, 64)
+    with pytest.raises(ValueError, match="group size 48"):
+        kernels.int4_linear(torch.randn(1, 64), torch.zeros(4, 32, 16, dtype=torch.uint8),
+                            torch.ones(4, 2, 16), 64, 64, 48)  # fmt: skip
 
 
 def test_a_machine_without_a_compiler_gets_a_reason_not_a_crash(tmp_path, monkeypatch):
