@@ -2,7 +2,7 @@
 
     python benchmarks/quant_bench.py [--threads 2] [--output quant.json]     # ~5 min
 
-On the random llama-125m (the engine benchmarks' model), for float32 (oneDNN, prepacked),
+On the random llama-125m (the engine benchmarks' model), for float32 (the default kernels),
 int8 and int4 (groups of 32) weights: batch-1 decode tokens/s (128-token prompt, 128 new
 tokens), decode at batch 8 and 32, and one 512-token prefill; the bytes one decode step reads
 (the engine's accounting: weights as stored, KV) and the bandwidth roofline they allow at this
@@ -21,13 +21,19 @@ import argparse
 import json
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lib.engine_common import BenchConfig, greedy, make_model, random_prompts  # noqa: E402
+from lib.engine_common import (  # noqa: E402
+    BenchConfig,
+    decode_rate,
+    greedy,
+    make_model,
+    prefill_rate,
+    random_prompts,
+)
 from lib.hf_baseline import bench_hf_decode, load_hf  # noqa: E402
 from lib.machine import code_info, machine_info  # noqa: E402
 from lib.quiet import Quiet  # noqa: E402
@@ -88,29 +94,6 @@ def quality() -> dict:
     return results
 
 
-def decode_rate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
-    """(decode tokens/s of the batch, mean bytes per decode step)."""
-    totals = llm.engine.core.stats.totals
-    before = totals.get("decode")
-    b0, s0 = (before.bytes, before.steps) if before else (0.0, 0)
-    outs = llm.generate(prompts, greedy(new_tokens))
-    m = [o.metrics for o in outs]
-    tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
-    span = max(x.finished_time for x in m) - min(x.first_token_time for x in m)
-    after = totals["decode"]
-    return tokens / span, (after.bytes - b0) / (after.steps - s0)
-
-
-def prefill_rate(llm: LLM, prompt: list[int]) -> float:
-    llm.generate([prompt], greedy(1))  # warm
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        llm.generate([prompt], greedy(1))
-        best = min(best, time.perf_counter() - t0)
-    return len(prompt) / best
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=2)
@@ -168,7 +151,7 @@ def main() -> int:
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for q, r in rows.items():
-        name = {"none": "float32 (oneDNN)", "int8": "int8", "int4": "int4 (g32)"}[q]
+        name = {"none": "float32 (native)", "int8": "int8", "int4": "int4 (g32)"}[q]
         print(
             f"| {name} | {r['decode_b1_tokens_s']:.1f} | {r['decode_b1_tokens_s'] / base['decode_b1_tokens_s']:.2f}x "
             f"| {r['roofline_fraction']:.0%} | {r['bytes_per_step'] / 2**20:.0f} | {r['decode_b8_tokens_s']:.1f} "

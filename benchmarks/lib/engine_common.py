@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,3 +128,26 @@ def start_decoding(
         core.step()  # the prefills
     for _ in range(warm_steps):
         core.step()
+
+
+def decode_rate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """(decode tokens/s of the batch, mean bytes per decode step)."""
+    totals = llm.engine.core.stats.totals
+    before = totals.get("decode")
+    b0, s0 = (before.bytes, before.steps) if before else (0.0, 0)
+    outs = llm.generate(prompts, greedy(new_tokens))
+    m = [o.metrics for o in outs]
+    tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+    span = max(x.finished_time for x in m) - min(x.first_token_time for x in m)
+    after = totals["decode"]
+    return tokens / span, (after.bytes - b0) / (after.steps - s0)
+
+
+def prefill_rate(llm: LLM, prompt: list[int]) -> float:
+    llm.generate([prompt], greedy(1))  # warm
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        llm.generate([prompt], greedy(1))
+        best = min(best, time.perf_counter() - t0)
+    return len(prompt) / best

@@ -143,9 +143,10 @@ def worker_specs(
         return [(Role.BOTH, args, cpus)]
     out = []
     # oneDNN's spinning threads and per-shape kernel builds hurt when several engine processes
-    # share cores: disaggregated pools keep F.linear unless the user asks for oneDNN.
+    # share cores: disaggregated pools take the native kernel or F.linear unless the user asks
+    # for oneDNN.
     if args.linear_backend == "auto":
-        args = replace(args, linear_backend="torch")
+        args = replace(args, linear_backend=_pool_linear_backend(args))
     for role, n, overrides, cpus in (
         (Role.PREFILL, disagg.num_prefill_workers, disagg.prefill_overrides, disagg.prefill_cpus),
         (
@@ -159,3 +160,10 @@ def worker_specs(
         for i in range(n):
             out.append((role, pool_args, cpus[i % len(cpus)] if cpus else None))
     return out
+
+
+def _pool_linear_backend(args: EngineArgs) -> str:
+    from pdserve.kernels.linear import available
+
+    cpu_float32 = args.device == "cpu" and args.dtype in ("auto", "float32")
+    return "native" if cpu_float32 and available()[0] else "torch"

@@ -168,9 +168,23 @@ class EngineArgs:
     )
     linear_backend: str = setting(
         "auto",
-        choices=("auto", "onednn", "torch"),
-        help="matmul kernels: oneDNN with weights prepacked at load (CPU float32; auto uses it "
-        "where available) or torch's F.linear (see pdserve/models/packed_linear.py)",
+        choices=("auto", "native", "onednn", "torch"),
+        help="matmul kernels (CPU float32): pdserve's own (native, built with cc at first use), "
+        "oneDNN with weights prepacked at load, or torch's F.linear; auto takes the first of "
+        "native and onednn that works here (see pdserve/models/packed_linear.py)",
+    )
+    attention_backend: str = setting(
+        "auto",
+        choices=("auto", "native", "sdpa"),
+        help="decode attention: pdserve's CPU kernel that reads the paged cache in place "
+        "(native, CPU float32, built with cc at first use) or SDPA over a gathered copy (sdpa); "
+        "auto takes native where it runs (see pdserve/models/attention.py)",
+    )
+    enforce_eager: bool = setting(
+        False,
+        help="run every step layer by layer through the torch modules: no fused native decode "
+        "step (which needs the native matmul and attention kernels; see "
+        "pdserve/models/fused_decode.py)",
     )
     quantization: str = setting(
         "none",

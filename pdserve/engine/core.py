@@ -65,6 +65,8 @@ class EngineCore:
             args.seed,
             kv_cache_factory=self.connector.kv_cache_factory(),
             linear_backend=args.linear_backend,
+            attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
             quantization=args.quantization,
             group_size=args.quantization_group_size,
             kv_cache_dtype=args.kv_cache_dtype,

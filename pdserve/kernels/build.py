@@ -1,9 +1,10 @@
-"""Build a C kernel for this machine once, cache it, and load it.
+"""Build the native kernels for this machine once, cache them, and load them.
 
-The source is compiled with the system's C compiler for the CPU it runs on (`-march=native`)
-into a cache folder private to the user (`$XDG_CACHE_HOME/pdserve/kernels`, mode 0700), under a
-name that hashes the source, the flags, the compiler and the CPU's feature flags: a different
-machine or a changed source builds afresh, the same one loads in milliseconds. The library is
+Every C source of this folder is compiled with the system's C compiler for the CPU it runs on
+(`-march=native`) into one library, in a cache folder private to the user
+(`$XDG_CACHE_HOME/pdserve/kernels`, mode 0700), under a name that hashes the sources and headers,
+the flags, the compiler and the CPU's feature flags: a different machine or a changed source
+builds afresh, the same one loads in milliseconds. The library is
 written under a temporary name and renamed into place, so workers building at once never load a
 half-written file. OpenMP comes from the runtime torch already loaded (the same soname), so the
 kernels share torch's threads and `torch.set_num_threads`.
@@ -12,6 +13,7 @@ kernels share torch's threads and `torch.set_num_threads`.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -22,6 +24,9 @@ from pathlib import Path
 import torch  # noqa: F401  (loads torch's OpenMP runtime before any kernel library)
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+FOLDER = Path(__file__).parent
+SOURCES = tuple(sorted(FOLDER.glob("*.c")))
+HEADERS = tuple(sorted(FOLDER.glob("*.h")))
 
 
 class KernelUnavailable(RuntimeError):
@@ -49,34 +54,35 @@ def _compiler() -> str:
     return os.environ.get("CC", "cc")
 
 
-def build(source: Path) -> Path:
-    """The shared library built from `source` for this machine (built now if not cached)."""
+def build(sources: tuple[Path, ...] = SOURCES) -> Path:
+    """The shared library built from `sources` for this machine (built now if not cached)."""
     try:
-        return _build(source)
+        return _build(sources)
     except OSError as e:  # an unwritable cache folder, a full disk
-        raise KernelUnavailable(f"building {source.name} failed: {e}") from e
+        raise KernelUnavailable(f"building the native kernels failed: {e}") from e
 
 
-def _build(source: Path) -> Path:
+def _build(sources: tuple[Path, ...]) -> Path:
     cc = _compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise KernelUnavailable(f"no C compiler ({cc}): {e}") from e
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.stdout.encode(),
-                 _cpu_flags().encode()):  # fmt: skip
-        key.update(part)
-    out = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    for path in (*sources, *HEADERS):
+        key.update(path.name.encode() + b"\0" + path.read_bytes())
+    for part in (" ".join(FLAGS), version.stdout, _cpu_flags()):
+        key.update(part.encode())
+    out = cache_dir() / f"pdserve_cpu-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(source)], capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, sources), "-lm"],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
         if done.returncode != 0:
-            raise KernelUnavailable(f"building {source.name} failed:\n{done.stderr.strip()}")
+            raise KernelUnavailable(f"building the native kernels failed:\n{done.stderr.strip()}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -84,10 +90,20 @@ def _build(source: Path) -> Path:
     return out
 
 
-def load(source: Path) -> ctypes.CDLL:
-    """Build (if needed) and load the kernel library of `source`."""
-    path = build(source)
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The native kernels' library, built (if needed) and loaded once per process."""
+    path = build()
     try:
         return ctypes.CDLL(str(path))
     except OSError as e:
         raise KernelUnavailable(f"loading {path} failed: {e}") from e
+
+
+def available() -> tuple[bool, str]:
+    """(whether the native kernels load here, the reason when they do not)."""
+    try:
+        library()
+    except KernelUnavailable as e:
+        return False, str(e)
+    return True, ""

@@ -20,7 +20,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import attention as native_kernel
 from pdserve.models import kv_quant
+
+ATTENTION_BACKENDS = ("auto", "native", "sdpa")
 
 
 @dataclass(slots=True)
@@ -37,6 +40,7 @@ class AttentionMetadata:
     num_decodes: int = 0  # the first num_decodes tokens are single-token queries
     decode_slots: torch.Tensor | None = None  # [num_decodes, max_ctx] long (padded)
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_ctx] bool
+    decode_lens: torch.Tensor | None = None  # [num_decodes] long: each decode's context length
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -122,3 +126,37 @@ class PagedSDPABackend:
             enable_gqa=q.shape[1] != k.shape[1],
         )  # [1, Hq, Lq, D]
         return op[0].transpose(0, 1)
+
+
+class NativeDecodeBackend(PagedSDPABackend):
+    """Decodes by pdserve's CPU kernel (`pdserve/kernels/cpu_attention.c`), which reads each
+    context's rows in the paged cache where they lie, float32 or int8, with no gathered copy and
+    no padding; prefill chunks as the default backend."""
+
+    name = "native"
+
+    def decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return native_kernel.decode_attention(
+            q, kv_cache[0], kv_cache[1], meta.decode_slots, meta.decode_lens
+        )
+
+
+def make_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The backend `name` ("sdpa", "native", or "auto": native where it runs) for a model on
+    `device` computing in `dtype`; ValueError where "native" cannot run."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"invalid attention_backend={name!r}: choose one of {ATTENTION_BACKENDS}")
+    if name == "sdpa":
+        return PagedSDPABackend()
+    why = ""
+    if device.type != "cpu" or dtype != torch.float32:
+        why = f"it needs a CPU and float32 (device={device}, dtype={dtype})"
+    else:
+        ok, why = native_kernel.available()
+    if not why:
+        return NativeDecodeBackend()
+    if name == "native":
+        raise ValueError(f"invalid attention_backend='native': {why}")
+    return PagedSDPABackend()

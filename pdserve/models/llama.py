@@ -113,6 +113,9 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        # Set by the runner where it can run (`pdserve.models.fused_decode`): decode-only steps
+        # then take one native call per layer instead of the modules.
+        self.fused_decode = None
 
     @torch.inference_mode()
     def forward(
@@ -123,6 +126,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], final-normed
         x = self.embed_tokens(input_ids)
+        if self.fused_decode is not None and not meta.prefills:
+            return self.norm(self.fused_decode(x, positions, kv_caches, meta))
         cos_sin = self.rope.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos_sin, kv_cache, meta, self.rope, self.attn_backend)

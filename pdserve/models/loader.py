@@ -103,8 +103,9 @@ def load_model(
     quantization: str = "none",
     group_size: int = 32,
 ) -> nn.Module:
-    """Build and fill the model. `linear_backend`: "torch" (F.linear), "onednn" (prepacked
-    weights, CPU float32), or "auto" (onednn where available). `attn_backend`: how its layers
+    """Build and fill the model. `linear_backend`: "torch" (F.linear), "native" (pdserve's
+    kernel, CPU float32), "onednn" (prepacked weights, CPU float32), or "auto" (the first of
+    native and onednn that works here). `attn_backend`: how its layers
     attend (None: the model's default, `PagedSDPABackend`). `quantization`: "int8" or "int4"
     replaces every linear layer (the tied output head included) by its weight-only quantized
     form, whatever `linear_backend` says."""
@@ -155,7 +156,7 @@ def load_model(
 
 
 def quantize_linears(model: nn.Module, quantization: str, group_size: int, device, dtype) -> None:
-    from pdserve.kernels.quant import available
+    from pdserve.kernels.linear import available
     from pdserve.models.packed_linear import replace_linears
     from pdserve.models.quant_linear import Int4Linear, Int8Linear
 
@@ -183,10 +184,19 @@ def quantize_linears(model: nn.Module, quantization: str, group_size: int, devic
 
 
 def _select_linear_backend(model: nn.Module, backend: str, device, dtype) -> None:
-    from pdserve.models.packed_linear import onednn_available, pack_linears
+    from pdserve.models.packed_linear import native_available, onednn_available, pack_linears
 
     if backend == "torch":
         return
+    if backend in ("native", "auto"):
+        ok, why = native_available(device, dtype)
+        if ok:
+            pack_linears(model, "native")
+            return
+        if backend == "native":
+            raise ValueError(f"invalid linear_backend='native': {why}")
+        if device.type == "cpu" and dtype == torch.float32:
+            logger.warning("the native matmul kernel is unavailable (%s): trying oneDNN", why)
     if not onednn_available(device, dtype):
         if backend == "onednn":
             raise ValueError(
@@ -194,4 +204,4 @@ def _select_linear_backend(model: nn.Module, backend: str, device, dtype) -> Non
                 f"(device={device}, dtype={dtype})"
             )
         return
-    pack_linears(model)
+    pack_linears(model, "onednn")

@@ -1,10 +1,16 @@
-"""Linear layers with weights prepacked once for oneDNN (CPU, float32).
+"""Linear layers with weights prepacked once at load (CPU, float32): `--linear-backend`.
 
-torch's default `F.linear` on CPU calls MKL, which reads the weights at about half the machine's
-bandwidth when the input is a single row (batch-1 decode). oneDNN with weights reordered once
-into its blocked layout (what Inductor's CPU freezing pass does) moves them about twice as fast
-and is also faster for prefill GEMMs. The ops are private to torch, so this is opt-in per engine
-(`linear_backend`) and falls back to `F.linear` wherever they are missing.
+torch's default `F.linear` on CPU calls MKL, which reads the weights at about a fifth to a third
+of the machine's bandwidth when the input is a single row (batch-1 decode, on one core). Two
+prepacked forms replace it:
+
+- `NativeLinear` (backend "native"): the weights in the panels of pdserve's own kernel
+  (`pdserve/kernels/cpu_linear.c`), which streams them at the machine's read bandwidth for a
+  few rows and matches oneDNN for many; it needs a C compiler at first use.
+- `PackedLinear` (backend "onednn"): oneDNN with the weights reordered into its blocked layout
+  (what Inductor's CPU freezing pass does); private torch ops, probed before use.
+
+"auto" takes the first of those that works here and falls back to `F.linear`.
 """
 
 from __future__ import annotations
@@ -13,7 +19,12 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from pdserve.kernels import linear as kernels
+
+PANEL, BLOCK = 16, 64  # the native kernel's output channels per panel and per thread's block
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +38,38 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
         and hasattr(ops, "_reorder_linear_weight")
         and hasattr(ops, "_linear_pointwise")
     )
+
+
+def to_panels(t: torch.Tensor, fill: float = 0) -> torch.Tensor:
+    """[N, X] -> [Np / 16, X, 16] (N padded with `fill` rows to whole blocks): panel p, x,
+    lane j holds t[16p + j, x]."""
+    n = t.shape[0]
+    t = F.pad(t, (0, 0, 0, -n % BLOCK), value=fill)
+    return t.view(-1, PANEL, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def from_panels(p: torch.Tensor, n: int) -> torch.Tensor:
+    return p.transpose(1, 2).reshape(-1, p.shape[1])[:n]
+
+
+def native_available(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """(whether `NativeLinear` runs here, why not)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return False, f"the native kernel needs a CPU and float32 (device={device}, dtype={dtype})"
+    return kernels.available()
+
+
+class NativeLinear(nn.Module):
+    """y = x @ W^T + b with W in the native kernel's float32 panels (no plain copy is kept)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.w = to_panels(weight.detach().float())
+        self.bias = None if bias is None else F.pad(bias.detach().float(), (0, -len(bias) % BLOCK))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        return kernels.f32_linear(x, self.w, self.bias, self.out_features)
 
 
 class PackedLinear(nn.Module):
@@ -60,6 +103,7 @@ def replace_linears(
     return count
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Every linear layer, the tied lm_head included, as a `PackedLinear`; returns how many."""
-    return replace_linears(model, PackedLinear)
+def pack_linears(model: nn.Module, backend: str = "onednn") -> int:
+    """Every linear layer, the tied lm_head included, as a `PackedLinear` (backend "onednn") or
+    a `NativeLinear` ("native"); returns how many."""
+    return replace_linears(model, NativeLinear if backend == "native" else PackedLinear)

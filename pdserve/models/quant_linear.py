@@ -3,9 +3,9 @@
 - int8: one scale per output channel, `w ~= q * scale`, q in [-127, 127].
 - int4: groups of `group_size` consecutive input features per output channel, symmetric, one
   scale per group; the scale maps the group's value of largest magnitude to -8, so all 16 levels
-  are used (as llama.cpp's Q4_0 does). Packed two to a byte in the layout `cpu_quant.c` reads.
+  are used (as llama.cpp's Q4_0 does). Packed two to a byte in the layout `cpu_linear.c` reads.
 
-Activations stay float32. Every step runs the native kernel (`pdserve/kernels/cpu_quant.c`):
+Activations stay float32. Every step runs the native kernel (`pdserve/kernels/cpu_linear.c`):
 with a few rows (decode) it streams the quantized bytes, with many (prefill) it is compute-bound
 on the same tiles. Where the kernel cannot be built the layer dequantizes the whole weight for
 every step into a float `F.linear`: the same numbers, slower (startup logs a warning saying so).
@@ -18,21 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import quant as kernels
+from pdserve.kernels import linear as kernels
+from pdserve.models.packed_linear import BLOCK
+from pdserve.models.packed_linear import from_panels as _from_panels
+from pdserve.models.packed_linear import to_panels as _to_panels
 
 GROUP_SIZES = (32, 64, 128)  # multiples of 32: the kernel reads 16 bytes of a group at a time
-PANEL, BLOCK = 16, 64  # the kernel's output channels per panel and per thread's block
-
-
-def _to_panels(t: torch.Tensor, fill: float = 0) -> torch.Tensor:
-    """[N, X] -> [Np / 16, X, 16] (N padded with `fill` rows to whole blocks)."""
-    n = t.shape[0]
-    t = F.pad(t, (0, 0, 0, -n % BLOCK), value=fill)
-    return t.view(-1, PANEL, t.shape[1]).transpose(1, 2).contiguous()
-
-
-def _from_panels(p: torch.Tensor, n: int) -> torch.Tensor:
-    return p.transpose(1, 2).reshape(-1, p.shape[1])[:n]
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,8 @@ import torch
 
 from pdserve.config import CacheConfig, ModelConfig
 from pdserve.kv.rows import row_width
-from pdserve.models.attention import AttentionMetadata, PrefillChunk
+from pdserve.models.attention import AttentionMetadata, PrefillChunk, make_backend
+from pdserve.models.fused_decode import FusedDecode
 from pdserve.models.kv_quant import KV_CACHE_DTYPES
 from pdserve.models.loader import load_model
 from pdserve.models.quant_linear import quantized_bytes_per_param
@@ -84,6 +85,8 @@ class ModelRunner:
         seed: int = 0,
         kv_cache_factory=None,
         linear_backend: str = "auto",
+        attention_backend: str = "auto",
+        enforce_eager: bool = False,
         quantization: str = "none",
         group_size: int = 32,
         kv_cache_dtype: str = "auto",
@@ -102,10 +105,12 @@ class ModelRunner:
             self.dtype,
             self.max_model_len,
             linear_backend,
+            attn_backend=make_backend(attention_backend, self.device, self.dtype),
             quantization=quantization,
             group_size=group_size,
         )
         self.matmul_bytes_per_param = quantized_bytes_per_param(self.model)
+        self._use_fused_decode(enforce_eager)
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"invalid kv_cache_dtype={kv_cache_dtype!r}: choose auto or int8")
         # int8: each row carries its scale (models/kv_quant.py); auto: the model's dtype
@@ -126,6 +131,16 @@ class ModelRunner:
         self.kv_caches = list(cache.unbind(0))  # per layer [2, num_slots, Hkv, D]
         self.sampler = Sampler(model_config.eos_token_ids)
 
+    def _use_fused_decode(self, enforce_eager: bool) -> None:
+        if enforce_eager:
+            why = "--enforce-eager"
+        else:
+            self.model.fused_decode, why = FusedDecode.build(self.model)
+        if self.model.fused_decode is None:
+            logger.info("decode steps run layer by layer (no fused decode step: %s)", why)
+        else:
+            logger.info("decode steps run fused, one native call per layer")
+
     @property
     def kv_bytes_per_block(self) -> int:
         c = self.config
@@ -145,7 +160,9 @@ class ModelRunner:
         return int(n)
 
     def add_layer_hook(self, fn) -> None:
-        """Call `fn(layer_index)` after each decoder layer's forward (its KV is then written)."""
+        """Call `fn(layer_index)` after each decoder layer's forward (its KV is then written).
+        Every step then runs layer by layer (the fused decode step has no layer modules)."""
+        self.model.fused_decode = None
         for i, layer in enumerate(self.model.layers):
             layer.register_forward_hook(lambda _m, _i, _o, i=i: fn(i))
 
@@ -189,6 +206,7 @@ class ModelRunner:
             meta.decode_slots = torch.from_numpy(all_slots).to(self.device)
             mask = np.arange(max_ctx)[None, :] < ctx[:, None]
             meta.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
+            meta.decode_lens = torch.from_numpy(ctx.astype(np.int64)).to(self.device)
             for r, i in enumerate(decodes):
                 last_row[i] = r
 

@@ -87,6 +87,38 @@ def test_greedy_matches_transformers(arch, mode, tiny_models, references):
     llm.engine.core.kv.pool.check_whole()
 
 
+# (linear, attention) kernels: the defaults above are whatever "auto" picks here (native on a CPU
+# with a compiler); these pin each one, chunked so that steps mix decodes and prefill chunks.
+KERNELS = [("torch", "sdpa"), ("onednn", "sdpa"), ("native", "sdpa"), ("native", "native")]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kernels", KERNELS, ids="+".join)
+def test_every_kernel_backend_matches_transformers(arch, kernels, tiny_models, references):
+    from pdserve.kernels import attention, linear
+
+    if "native" in kernels and not (linear.available()[0] and attention.available()[0]):
+        pytest.skip("native kernels unavailable here")
+    linear_backend, attention_backend = kernels
+    prompts, refs = references[arch]
+    llm = LLM(
+        tiny_models[arch],
+        max_num_batched_tokens=16,
+        linear_backend=linear_backend,
+        attention_backend=attention_backend,
+    )
+    model = llm.engine.core.runner.model
+    layer = {"torch": "Linear", "onednn": "PackedLinear", "native": "NativeLinear"}
+    assert type(model.layers[0].mlp.down_proj).__name__ == layer[linear_backend]
+    assert model.attn_backend.name == {"sdpa": "paged_sdpa"}.get(attention_backend, "native")
+    outs = llm.generate(prompts, GREEDY)
+    for out, (ref_tokens, ref_lps) in zip(outs, refs):
+        assert out.token_ids == ref_tokens
+        lps = [lp.logprob for lp in out.outputs[0].logprobs]
+        np.testing.assert_allclose(lps, ref_lps, rtol=1e-4, atol=1e-4)
+    llm.engine.core.kv.pool.check_whole()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefix_cache_hits_match_transformers(arch, tiny_models, references):
     prompts, refs = references[arch]

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import quant as kernels
+from pdserve.kernels import linear as kernels
 from pdserve.models.quant_linear import (
     Int4Linear,
     Int8Linear,
@@ -140,13 +140,13 @@ def test_a_machine_without_a_compiler_gets_a_reason_not_a_crash(tmp_path, monkey
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     with pytest.raises(build.KernelUnavailable, match="no C compiler"):
-        build.build(kernels.SOURCE)
+        build.build()
     monkeypatch.setenv("CC", "cc")
     (tmp_path / "ro").mkdir(mode=0o500)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "ro" / "sub"))
     if os.geteuid() != 0:  # root writes anywhere
         with pytest.raises(build.KernelUnavailable):
-            build.build(kernels.SOURCE)
+            build.build()
 
 
 def test_the_kernel_cache_is_private_and_reused(tmp_path, monkeypatch):
@@ -155,7 +155,7 @@ def test_the_kernel_cache_is_private_and_reused(tmp_path, monkeypatch):
     if not native:
         pytest.skip(f"native kernels unavailable: {why}")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    first = build.build(kernels.SOURCE)
+    first = build.build()
     assert first.parent.stat().st_mode & 0o077 == 0
     mtime = first.stat().st_mtime_ns
-    assert build.build(kernels.SOURCE) == first and first.stat().st_mtime_ns == mtime
+    assert build.build() == first and first.stat().st_mtime_ns == mtime

@@ -1,41 +1,35 @@
-"""Weight-only quantized matrix products on the CPU: the Python side of `cpu_quant.c`.
+"""Matrix products on the CPU with weights in panels: the Python side of `cpu_linear.c`.
 
-`int8_linear(x, q, scale, n)` and `int4_linear(x, q, scale, n, k, group_size)` compute
-`x @ dequantize(weights).T` for float32 `x` of any leading shape, with the weights in the panel
-layout of `cpu_quant.c` (`pdserve.models.quant_linear` makes it). The native kernel is built on
-first use (`build.py`); `available()` says whether it could be, and why not.
+`f32_linear(x, w, bias, n)` computes `x @ W.T + bias` for float32 weights, `int8_linear(x, q,
+scale, n)` and `int4_linear(x, q, scale, n, k, group_size)` compute `x @ dequantize(weights).T`,
+all for float32 `x` of any leading shape, with the weights in the panel layout of
+`cpu_linear.c` (`pdserve.models.packed_linear.to_panels` and `pdserve.models.quant_linear` make
+it). The native kernel is built on first use (`build.py`); `available()` says whether it could
+be, and why not.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
-from pdserve.kernels.build import KernelUnavailable, load
+from pdserve.kernels.build import available as available  # re-exported
+from pdserve.kernels.build import library
 
-SOURCE = Path(__file__).with_name("cpu_quant.c")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 @functools.cache
 def _lib() -> ctypes.CDLL:
-    lib = load(SOURCE)
+    lib = library()
+    lib.pd_f32_linear.argtypes = [_P, _I, _I, _P, _P, _I, _P]
     lib.pd_int8_linear.argtypes = [_P, _I, _I, _P, _P, _I, _P]
     lib.pd_int4_linear.argtypes = [_P, _I, _I, _P, _P, _I, _I, _P]
-    lib.pd_int8_linear.restype = lib.pd_int4_linear.restype = ctypes.c_int
+    for fn in (lib.pd_f32_linear, lib.pd_int8_linear, lib.pd_int4_linear):
+        fn.restype = ctypes.c_int
     return lib
-
-
-def available() -> tuple[bool, str]:
-    """(whether the native kernels load here, the reason when they do not)."""
-    try:
-        _lib()
-    except KernelUnavailable as e:
-        return False, str(e)
-    return True, ""
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -44,6 +38,17 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
             f"expected float32 CPU activations [..., {k}], got {x.dtype} {tuple(x.shape)}"
         )
     return x.reshape(-1, k).contiguous()
+
+
+def f32_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """x[..., K] @ W.T + bias for the float32 panels w[Np / 16, K, 16] of W[n, K] (and a bias
+    padded to Np, or None)."""
+    k = w.shape[1]
+    rows = _rows(x, k)
+    y = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    b = 0 if bias is None else bias.data_ptr()
+    _lib().pd_f32_linear(rows.data_ptr(), rows.shape[0], k, w.data_ptr(), b, n, y.data_ptr())
+    return y.view(*x.shape[:-1], n)
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:

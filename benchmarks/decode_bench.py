@@ -1,0 +1,190 @@
+"""Decode and prefill per kernel and precision, against the roofline, HF and llama.cpp, in one run.
+
+    python benchmarks/decode_bench.py [--llama-cpp DIR] [--output decode.json]     # ~8 min
+
+On the random llama-125m of the engine benchmarks (2 threads), for each engine configuration
+(matmul kernels x attention kernels x weight precision x KV dtype): batch-1 decode tokens/s
+(128-token prompt, 128 new tokens), its fraction of the read-bandwidth roofline (bytes one step
+reads, as the engine counts them, over this machine's read bandwidth measured in the same run),
+decode at batch 8 and 32, and one 512-token prefill. References in the same run: Hugging Face
+`generate` at batch 1 and, with `--llama-cpp DIR` (a llama.cpp source tree with `build/bin/
+llama-bench` and `llama-quantize` built), llama.cpp on the same weights converted to F32, Q8_0 and
+Q4_0 GGUF files (`convert_hf_to_gguf.py`, then `llama-quantize`): `llama-bench` token generation
+of 128 tokens after a 128-token context and prompt processing of 512 tokens, on the same threads.
+Every in-process measurement waits for a quiet CPU and is retried when disturbed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.engine_common import (  # noqa: E402
+    BenchConfig,
+    decode_rate,
+    greedy,
+    make_model,
+    prefill_rate,
+    random_prompts,
+)
+from lib.hf_baseline import bench_hf_decode, load_hf  # noqa: E402
+from lib.machine import code_info, machine_info  # noqa: E402
+from lib.quiet import Quiet  # noqa: E402
+
+from pdserve import LLM  # noqa: E402
+from pdserve.perf.hardware import measure_bandwidth  # noqa: E402
+
+# label: engine arguments
+CONFIGS = {
+    "float32, F.linear + SDPA": dict(linear_backend="torch", attention_backend="sdpa"),
+    "float32, oneDNN + SDPA": dict(linear_backend="onednn", attention_backend="sdpa"),
+    "float32, native + SDPA": dict(linear_backend="native", attention_backend="sdpa"),
+    "float32, native + native attention": dict(linear_backend="native", attention_backend="native"),
+    "int8 weights": dict(quantization="int8"),
+    "int4 weights (g32)": dict(quantization="int4"),
+    "int8 weights + int8 KV": dict(quantization="int8", kv_cache_dtype="int8"),
+}
+GGUF_TYPES = {"F32": "float32, native + native attention", "Q8_0": "int8 weights",
+              "Q4_0": "int4 weights (g32)"}  # fmt: skip
+
+
+def measure_engine(model_dir: Path, threads: int, quiet: Quiet, read_bw: float) -> dict:
+    rng = random.Random(0)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    short = random_prompts(rng, [128] * 32, vocab)
+    long = random_prompts(rng, [512], vocab)[0]
+    rows = {}
+    for label, kw in CONFIGS.items():
+        llm = LLM(str(model_dir), num_threads=threads, enable_prefix_caching=False, **kw)
+        llm.generate(short[:2], greedy(8))  # warm: kernels built, caches touched
+        row: dict = {"engine_args": kw}
+        for batch in (1, 8, 32):
+            m = quiet.run(
+                f"{label}: decode batch {batch}",
+                lambda b=batch, llm=llm: decode_rate(llm, short[:b], 128),
+            )
+            row[f"decode_b{batch}_tokens_s"], nbytes = m.value
+            if batch == 1:
+                row["bytes_per_step"] = nbytes
+                row["roofline_fraction"] = row["decode_b1_tokens_s"] * nbytes / read_bw
+        row["prefill_512_tokens_s"] = quiet.run(
+            f"{label}: prefill", lambda llm=llm: prefill_rate(llm, long)
+        ).value
+        rows[label] = row
+        print(
+            f"{label:36s} b1 {row['decode_b1_tokens_s']:6.1f} tok/s "
+            f"({row['roofline_fraction']:.0%} of roofline, {nbytes / 2**20:.0f} MiB/step) "
+            f"b8 {row['decode_b8_tokens_s']:6.1f} b32 {row['decode_b32_tokens_s']:6.1f} "
+            f"prefill 512 {row['prefill_512_tokens_s']:5.0f}",
+            flush=True,
+        )
+        del llm
+    return rows
+
+
+def gguf_files(llama_cpp: Path, model_dir: Path) -> dict[str, Path]:
+    """The model as F32, Q8_0 and Q4_0 GGUF files (converted once, kept next to the model)."""
+    out = {t: model_dir.parent / f"{model_dir.name}-{t.lower()}.gguf" for t in GGUF_TYPES}
+    if not out["F32"].exists():
+        subprocess.run(
+            [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(model_dir),
+             "--outtype", "f32", "--outfile", str(out["F32"])],
+            check=True,
+        )  # fmt: skip
+    for t in ("Q8_0", "Q4_0"):
+        if not out[t].exists():
+            quantize = llama_cpp / "build" / "bin" / "llama-quantize"
+            subprocess.run([str(quantize), str(out["F32"]), str(out[t]), t], check=True)
+    return out
+
+
+def llama_bench(llama_cpp: Path, gguf: Path, threads: int) -> dict:
+    """llama-bench's tokens/s: pp512 (prompt processing) and tg128 after a 128-token context."""
+    cmd = [str(llama_cpp / "build" / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads),
+           "-p", "512", "-n", "128", "-d", "128", "-r", "3", "-o", "json"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    rows = json.loads(done.stdout)
+    pp = next(r for r in rows if r["n_prompt"] == 512 and r["n_gen"] == 0)
+    tg = next(r for r in rows if r["n_gen"] == 128)
+    return {"prefill_512_tokens_s": pp["avg_ts"], "decode_b1_tokens_s": tg["avg_ts"],
+            "decode_samples": tg.get("samples_ts"), "command": " ".join(cmd)}  # fmt: skip
+
+
+def print_tables(rows: dict, hf: float, llama: dict, read_bw: float) -> None:
+    base = rows["float32, oneDNN + SDPA"]["decode_b1_tokens_s"]
+    print(f"\nread bandwidth {read_bw / 1e9:.1f} GB/s")
+    print("| engine | batch-1 decode tok/s | x oneDNN + SDPA | of roofline | MiB / step "
+          "| batch 8 | batch 32 | prefill 512 tok/s |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for label, r in rows.items():
+        print(f"| {label} | {r['decode_b1_tokens_s']:.1f} | {r['decode_b1_tokens_s'] / base:.2f}x "
+              f"| {r['roofline_fraction']:.0%} | {r['bytes_per_step'] / 2**20:.0f} "
+              f"| {r['decode_b8_tokens_s']:.1f} | {r['decode_b32_tokens_s']:.1f} "
+              f"| {r['prefill_512_tokens_s']:.0f} |")  # fmt: skip
+    print(f"| HF generate, float32 | {hf:.1f} | {hf / base:.2f}x | | | | | |")
+    if not llama:
+        return
+    print("\n| precision | llama.cpp decode | pdserve decode | pdserve / llama.cpp "
+          "| llama.cpp prefill 512 | pdserve prefill 512 | pdserve / llama.cpp |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for t, lr in llama.items():
+        pr = rows[GGUF_TYPES[t]]
+        d, p = pr["decode_b1_tokens_s"], pr["prefill_512_tokens_s"]
+        print(f"| {t} | {lr['decode_b1_tokens_s']:.1f} | {d:.1f} | {d / lr['decode_b1_tokens_s']:.2f}x "
+              f"| {lr['prefill_512_tokens_s']:.0f} | {p:.0f} | {p / lr['prefill_512_tokens_s']:.2f}x |")  # fmt: skip
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model-dir", type=Path, help="reuse (or create) the model folder here")
+    p.add_argument("--llama-cpp", type=Path, help="a llama.cpp source tree with build/bin built")
+    p.add_argument("--output", type=Path)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = make_model(args.model_dir or Path("/tmp/pdbench/llama-125m"))
+    quiet = Quiet(tries=3, quiet_wait_s=20.0, patience_s=240.0)
+    samples = [quiet.run("read bandwidth", lambda: measure_bandwidth(3.0)).value[0]
+               for _ in range(3)]  # fmt: skip
+    read_bw = statistics.median(samples)
+    print(f"read bandwidth {read_bw / 1e9:.1f} GB/s (samples "
+          f"{', '.join(f'{s / 1e9:.1f}' for s in samples)}; {args.threads} threads)")  # fmt: skip
+    llama = {}
+    if args.llama_cpp:
+        files = gguf_files(args.llama_cpp, model_dir)
+        for t, f in files.items():
+            llama[t] = llama_bench(args.llama_cpp, f, args.threads)
+            print(f"llama.cpp {t}: decode {llama[t]['decode_b1_tokens_s']:.1f} tok/s, "
+                  f"prefill 512 {llama[t]['prefill_512_tokens_s']:.0f} tok/s", flush=True)  # fmt: skip
+    rows = measure_engine(model_dir, args.threads, quiet, read_bw)
+    cfg = BenchConfig(decode_prompt_len=128, decode_output_len=128)
+    hf = bench_hf_decode(
+        cfg,
+        quiet,
+        load_hf(model_dir),
+        random_prompts(
+            random.Random(0),
+            [128],
+            json.loads((model_dir / "config.json").read_text())["vocab_size"],
+        )[0],
+    )
+    print_tables(rows, hf["tokens_s"], llama, read_bw)
+    if args.output:
+        out = {"machine": machine_info(), "code": code_info(), "threads": args.threads,
+               "read_bandwidth": read_bw, "read_bandwidth_samples": samples, "engine": rows,
+               "hf_decode_b1_tokens_s": hf["tokens_s"], "llama_cpp": llama,
+               "quiet_log": quiet.log}  # fmt: skip
+        args.output.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

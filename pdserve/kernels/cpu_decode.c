@@ -1,0 +1,155 @@
+/* One decoder layer of a decode step in one call: the fused decode step.
+ *
+ * A batch-1 decode step of a small model is ~16 ms of weights streaming through the matrix
+ * products and, run op by op through torch, another ~5 ms of ~40 small ops per layer (norms,
+ * rotary, cache writes, activations, residual adds) and the Python that calls them. Here a layer
+ * is one call: the small ops run in C on the step's few rows, between the native matrix
+ * products and the paged decode attention, with no tensor allocated on the way.
+ *
+ * Per layer, for nd decoding tokens x[nd, hidden] (updated in place):
+ *   h = rmsnorm(x) * w_in; qkv = h @ Wqkv^T (+ bias); [q/k rmsnorm per head]; rotary on q and k;
+ *   k and v stored at each token's cache slot (float32 rows, or int8 rows with their scale);
+ *   a = attention(q, cache); x += a @ Wo^T;
+ *   h = rmsnorm(x) * w_post; g, u = h @ Wgu^T; x += (silu(g) * u) @ Wdown^T.
+ * The same arithmetic as the torch modules (pdserve/models/llama.py, kv_quant.py) in float32;
+ * only the order of a few sums differs.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "kernels.h"
+#include "vec.h"
+
+enum { PD_F32 = 0, PD_INT8 = 1, PD_INT4 = 2 };
+
+typedef struct {
+    int64_t kind, group, n, k;   /* PD_F32 / PD_INT8 / PD_INT4; int4 group size; W[n, k] */
+    const void *w;               /* panels (cpu_linear.c) */
+    const float *scale;          /* int8 / int4 scales; unused for float32 */
+    const float *bias;           /* NULL, or [n] (float32: padded to the panels) */
+} pd_linear_t;
+
+typedef struct {
+    int64_t hidden, hq, hkv, d, inter, kv_int8;
+    float eps;
+    const float *in_norm, *post_norm;  /* [hidden] */
+    const float *q_norm, *k_norm;      /* [d] per-head norms (Qwen3), or NULL */
+    pd_linear_t qkv, o, gate_up, down;
+    void *k_cache, *v_cache;           /* [slots, hkv, d] float32 or [slots, hkv, d + 4] int8 */
+} pd_layer_t;
+
+typedef struct {
+    int64_t nd;
+    const int64_t *positions;    /* [nd] */
+    const int64_t *new_slots;    /* [nd] the cache slot of each token's own K and V */
+    const int64_t *ctx_slots;    /* [nd, slots_stride] each context's slots, in order */
+    int64_t slots_stride;
+    const int64_t *lens;         /* [nd] context lengths (the token's own included) */
+    const float *cos, *sin;      /* rotary tables [positions, d / 2] */
+    float *scratch;              /* pd_decode_scratch_floats() floats */
+} pd_step_t;
+
+static int64_t qkv_width(const pd_layer_t *L) { return (L->hq + 2 * L->hkv) * L->d; }
+
+/* Floats of scratch one step of `nd` tokens needs for this layer shape. */
+int64_t pd_decode_scratch_floats(const pd_layer_t *L, int64_t nd) {
+    return nd * (L->hidden + qkv_width(L) + L->hq * L->d + 3 * L->inter + L->hidden);
+}
+
+static int linear(const pd_linear_t *W, const float *x, int64_t m, float *y) {
+    int rc;
+    switch (W->kind) {
+    case PD_F32: return pd_f32_linear(x, m, W->k, W->w, W->bias, W->n, y);
+    case PD_INT8: rc = pd_int8_linear(x, m, W->k, W->w, W->scale, W->n, y); break;
+    case PD_INT4: rc = pd_int4_linear(x, m, W->k, W->w, W->scale, W->n, W->group, y); break;
+    default: return -2;
+    }
+    if (rc == 0 && W->bias)
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < W->n; j++) y[i * W->n + j] += W->bias[j];
+    return rc;
+}
+
+/* out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i] over n values. */
+static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float *out) {
+    vf acc = {0};
+    int64_t i = 0;
+    for (; i + V <= n; i += V) {
+        vf v = load_f(x + i);
+        acc += v * v;
+    }
+    float ss = hsum(acc);
+    for (; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+/* Rotate-half rotary embedding of one head in place: pairs (i, i + d/2). */
+static void rotate(float *v, const float *c, const float *s, int64_t d) {
+    const int64_t h = d / 2;
+    for (int64_t i = 0; i < h; i++) {
+        const float x1 = v[i], x2 = v[i + h];
+        v[i] = x1 * c[i] - x2 * s[i];
+        v[i + h] = x2 * c[i] + x1 * s[i];
+    }
+}
+
+/* One token's K or V head into its cache row: float32 as is, int8 as kv_quant.quantize_rows. */
+static void store_row(void *cache, int64_t row, const float *x, int64_t d, int int8) {
+    if (!int8) {
+        memcpy((float *)cache + row * d, x, sizeof(float) * d);
+        return;
+    }
+    int8_t *dst = (int8_t *)cache + row * (d + 4);
+    float amax = 0;
+    for (int64_t i = 0; i < d; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    float scale = amax / 127.0f;
+    if (scale < 1.17549435e-38f) scale = 1.17549435e-38f; /* float32's smallest normal */
+    for (int64_t i = 0; i < d; i++) {
+        float q = nearbyintf(x[i] / scale); /* round half to even, as torch.round */
+        dst[i] = (int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
+    }
+    memcpy(dst + d, &scale, sizeof scale);
+}
+
+int pd_decode_layer(const pd_layer_t *L, const pd_step_t *S, float *x) {
+    const int64_t nd = S->nd, hid = L->hidden, d = L->d, hq = L->hq, hkv = L->hkv;
+    const int64_t qkvw = qkv_width(L), inter = L->inter;
+    if (d % 2 || hkv <= 0 || hq % hkv) return -2;
+    float *h = S->scratch, *qkv = h + nd * hid, *att = qkv + nd * qkvw;
+    float *gu = att + nd * hq * d, *act = gu + nd * 2 * inter, *out = act + nd * inter;
+    int rc;
+
+    for (int64_t t = 0; t < nd; t++) rmsnorm(x + t * hid, L->in_norm, hid, L->eps, h + t * hid);
+    if ((rc = linear(&L->qkv, h, nd, qkv))) return rc;
+    for (int64_t t = 0; t < nd; t++) {
+        float *row = qkv + t * qkvw;
+        const float *c = S->cos + S->positions[t] * (d / 2), *s = S->sin + S->positions[t] * (d / 2);
+        for (int64_t j = 0; j < hq + hkv; j++) {
+            float *head = row + j * d;
+            if (L->q_norm) rmsnorm(head, j < hq ? L->q_norm : L->k_norm, d, L->eps, head);
+            rotate(head, c, s, d);
+        }
+        for (int64_t j = 0; j < hkv; j++) {
+            const int64_t cache_row = S->new_slots[t] * hkv + j;
+            store_row(L->k_cache, cache_row, row + (hq + j) * d, d, (int)L->kv_int8);
+            store_row(L->v_cache, cache_row, row + (hq + hkv + j) * d, d, (int)L->kv_int8);
+        }
+    }
+    rc = pd_decode_attention(qkv, qkvw, nd, hq, hkv, d, L->k_cache, L->v_cache, (int)L->kv_int8,
+                             S->ctx_slots, S->slots_stride, S->lens, 1.0f / sqrtf((float)d), att);
+    if (rc || (rc = linear(&L->o, att, nd, out))) return rc;
+    for (int64_t i = 0; i < nd * hid; i++) x[i] += out[i];
+
+    for (int64_t t = 0; t < nd; t++) rmsnorm(x + t * hid, L->post_norm, hid, L->eps, h + t * hid);
+    if ((rc = linear(&L->gate_up, h, nd, gu))) return rc;
+    for (int64_t t = 0; t < nd; t++) {
+        const float *g = gu + t * 2 * inter, *u = g + inter;
+        float *a = act + t * inter;
+        for (int64_t i = 0; i < inter; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+    if ((rc = linear(&L->down, act, nd, out))) return rc;
+    for (int64_t i = 0; i < nd * hid; i++) x[i] += out[i];
+    return 0;
+}

@@ -1,0 +1,67 @@
+"""The fused decode step's C interface (`cpu_decode.c`): the layer and step descriptors.
+
+`LayerDesc` holds the pointers and shapes of one decoder layer (filled once, when the model is
+loaded: `pdserve.models.fused_decode`), `StepDesc` those of one step; `decode_layer(layer, step,
+x)` runs the layer on the step's tokens, updating `x` in place. The descriptors hold raw
+pointers: whoever fills them keeps the tensors alive.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from pdserve.kernels.build import available as available  # re-exported
+from pdserve.kernels.build import library
+
+_I, _F, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+KINDS = {"f32": 0, "int8": 1, "int4": 2}
+
+
+class LinearDesc(ctypes.Structure):
+    _fields_ = [("kind", _I), ("group", _I), ("n", _I), ("k", _I), ("w", _P), ("scale", _P),
+                ("bias", _P)]  # fmt: skip
+
+
+class LayerDesc(ctypes.Structure):
+    _fields_ = [
+        ("hidden", _I), ("hq", _I), ("hkv", _I), ("d", _I), ("inter", _I), ("kv_int8", _I),
+        ("eps", _F), ("in_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P),
+        ("qkv", LinearDesc), ("o", LinearDesc), ("gate_up", LinearDesc), ("down", LinearDesc),
+        ("k_cache", _P), ("v_cache", _P),
+    ]  # fmt: skip
+
+
+class StepDesc(ctypes.Structure):
+    _fields_ = [("nd", _I), ("positions", _P), ("new_slots", _P), ("ctx_slots", _P),
+                ("slots_stride", _I), ("lens", _P), ("cos", _P), ("sin", _P),
+                ("scratch", _P)]  # fmt: skip
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    lib = library()
+    lib.pd_decode_layer.argtypes = [ctypes.POINTER(LayerDesc), ctypes.POINTER(StepDesc), _P]
+    lib.pd_decode_layer.restype = ctypes.c_int
+    lib.pd_decode_scratch_floats.argtypes = [ctypes.POINTER(LayerDesc), _I]
+    lib.pd_decode_scratch_floats.restype = _I
+    return lib
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def scratch_floats(layer: LayerDesc, nd: int) -> int:
+    return _lib().pd_decode_scratch_floats(ctypes.byref(layer), nd)
+
+
+def decode_layer(layer: LayerDesc, step: StepDesc, x: torch.Tensor) -> None:
+    """x [nd, hidden] float32, contiguous, updated in place by the layer."""
+    rc = _lib().pd_decode_layer(ctypes.byref(layer), ctypes.byref(step), x.data_ptr())
+    if rc == -1:
+        raise MemoryError("decode_layer: no memory for its buffers")
+    if rc != 0:
+        raise ValueError(f"decode_layer: bad layer description (rc {rc})")

@@ -1,0 +1,105 @@
+"""The decode step in one native call per layer (`pdserve/kernels/cpu_decode.c`).
+
+Run op by op, a batch-1 decode step of a small model spends a quarter of its time outside the
+matrix products: ~40 torch ops per layer and the Python around them. When every step token is
+a decode, `FusedDecode` runs each layer as one C call over the same weights and the same paged
+cache, so a step costs what its weights take to stream. Steps with a prefill chunk, and models
+it cannot take, run through the modules as before (`LlamaForCausalLM.forward`).
+
+It takes a model whose projections are all native (`NativeLinear`, or native `Int8Linear` /
+`Int4Linear`), whose attention backend is `NativeDecodeBackend`, on the CPU in float32, with no
+forward hooks on its layers (they need the layer-by-layer path); `--enforce-eager` turns it off.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.kernels import decode as native
+from pdserve.models.attention import AttentionMetadata, NativeDecodeBackend
+from pdserve.models.packed_linear import NativeLinear
+from pdserve.models.quant_linear import Int4Linear, Int8Linear
+
+
+def _linear(module: nn.Module) -> native.LinearDesc | None:
+    ptr = native.ptr
+    if isinstance(module, NativeLinear):
+        return native.LinearDesc(native.KINDS["f32"], 0, module.out_features,
+                                 module.in_features, ptr(module.w), None, ptr(module.bias))  # fmt: skip
+    if isinstance(module, Int8Linear | Int4Linear) and module.native:
+        kind, group = ("int8", 0) if isinstance(module, Int8Linear) else ("int4", module.group_size)
+        return native.LinearDesc(native.KINDS[kind], group, module.out_features,
+                                 module.in_features, ptr(module.q), ptr(module.scale),
+                                 ptr(module.bias))  # fmt: skip
+    return None
+
+
+class FusedDecode:
+    """Decode-only steps of one model through the fused native layer. Build with `build`."""
+
+    def __init__(self, model: nn.Module, layers: list[native.LayerDesc]) -> None:
+        self.model = model  # keeps every tensor the descriptors point at alive
+        self.layers = layers
+        self._scratch: torch.Tensor | None = None
+        self._cache_ptrs: list[tuple[int, int]] = [(0, 0)] * len(layers)
+
+    @classmethod
+    def build(cls, model: nn.Module) -> tuple[FusedDecode | None, str]:
+        """(the fused step of `model`, "") or (None, why it cannot take the model)."""
+        ok, why = native.available()
+        if not ok:
+            return None, why
+        if not isinstance(model.attn_backend, NativeDecodeBackend):
+            return None, f"attention backend {model.attn_backend.name} is not the native one"
+        cfg = model.config
+        layers = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                            mlp.down_proj)]  # fmt: skip
+            if any(d is None for d in linears):
+                return None, "not every projection runs on a native kernel"
+            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms):
+                return None, "the model is not float32 on the CPU"
+            desc = native.LayerDesc(
+                hidden=cfg.hidden_size, hq=cfg.num_heads, hkv=cfg.num_kv_heads, d=cfg.head_dim,
+                inter=cfg.intermediate_size, kv_int8=0, eps=layer.input_layernorm.eps,
+                in_norm=norms[0].data_ptr(), post_norm=norms[1].data_ptr(),
+                q_norm=native.ptr(attn.q_norm.weight) if attn.q_norm is not None else None,
+                k_norm=native.ptr(attn.k_norm.weight) if attn.k_norm is not None else None,
+                qkv=linears[0], o=linears[1], gate_up=linears[2], down=linears[3],
+            )  # fmt: skip
+            layers.append(desc)
+        return cls(model, layers), ""
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [nd, hidden], the embedded tokens; updated in place
+        positions: torch.Tensor,  # [nd] long
+        kv_caches: list[torch.Tensor],  # per layer [2, slots, Hkv, W]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        nd = x.shape[0]
+        rope = self.model.rope
+        step = native.StepDesc(
+            nd=nd, positions=positions.data_ptr(), new_slots=meta.slot_mapping.data_ptr(),
+            ctx_slots=meta.decode_slots.data_ptr(), slots_stride=meta.decode_slots.stride(0),
+            lens=meta.decode_lens.data_ptr(), cos=rope.cos.data_ptr(), sin=rope.sin.data_ptr(),
+            scratch=self._scratch_for(nd).data_ptr(),
+        )  # fmt: skip
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            ptrs = (cache[0].data_ptr(), cache[1].data_ptr())
+            if ptrs != self._cache_ptrs[i]:
+                layer.k_cache, layer.v_cache = ptrs
+                layer.kv_int8 = int(cache.dtype == torch.int8)
+                self._cache_ptrs[i] = ptrs
+            native.decode_layer(layer, step, x)
+        return x
+
+    def _scratch_for(self, nd: int) -> torch.Tensor:
+        n = native.scratch_floats(self.layers[0], nd)
+        if self._scratch is None or self._scratch.numel() < n:
+            self._scratch = torch.empty(n, dtype=torch.float32)
+        return self._scratch
