@@ -5,12 +5,15 @@
 On the random llama-125m of the engine benchmarks (2 threads), for each engine configuration
 (matmul kernels x attention kernels x weight precision x KV dtype): batch-1 decode tokens/s
 (128-token prompt, 128 new tokens), its fraction of the read-bandwidth roofline (bytes one step
-reads, as the engine counts them, over this machine's read bandwidth measured in the same run),
+reads, as the engine counts them, over this machine's read bandwidth measured in the same
+minute: the faster of a sample just before and one just after, as this machine's bandwidth moves
+by up to 1.7x from one minute to the next),
 decode at batch 8 and 32, and one 512-token prefill. References in the same run: Hugging Face
 `generate` at batch 1 and, with `--llama-cpp DIR` (a llama.cpp source tree with `build/bin/
 llama-bench` and `llama-quantize` built), llama.cpp on the same weights converted to F32, Q8_0 and
-Q4_0 GGUF files (`convert_hf_to_gguf.py`, then `llama-quantize`): `llama-bench` token generation
-of 128 tokens after a 128-token context and prompt processing of 512 tokens, on the same threads.
+Q4_0 GGUF files (`lib/gguf_convert.py`, which runs llama.cpp's `convert_hf_to_gguf.py`, then
+`llama-quantize`): `llama-bench` token generation of 128 tokens after a 128-token context and
+prompt processing of 512 tokens, on the same threads.
 Every in-process measurement waits for a quiet CPU and is retried when disturbed.
 """
 
@@ -47,16 +50,19 @@ CONFIGS = {
     "float32, F.linear + SDPA": dict(linear_backend="torch", attention_backend="sdpa"),
     "float32, oneDNN + SDPA": dict(linear_backend="onednn", attention_backend="sdpa"),
     "float32, native + SDPA": dict(linear_backend="native", attention_backend="sdpa"),
-    "float32, native + native attention": dict(linear_backend="native", attention_backend="native"),
+    "float32, native + native attention, eager": dict(
+        linear_backend="native", attention_backend="native", enforce_eager=True
+    ),
+    "float32, fused decode (default)": {},
     "int8 weights": dict(quantization="int8"),
     "int4 weights (g32)": dict(quantization="int4"),
     "int8 weights + int8 KV": dict(quantization="int8", kv_cache_dtype="int8"),
 }
-GGUF_TYPES = {"F32": "float32, native + native attention", "Q8_0": "int8 weights",
+GGUF_TYPES = {"F32": "float32, fused decode (default)", "Q8_0": "int8 weights",
               "Q4_0": "int4 weights (g32)"}  # fmt: skip
 
 
-def measure_engine(model_dir: Path, threads: int, quiet: Quiet, read_bw: float) -> dict:
+def measure_engine(model_dir: Path, threads: int, quiet: Quiet) -> dict:
     rng = random.Random(0)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     short = random_prompts(rng, [128] * 32, vocab)
@@ -67,21 +73,26 @@ def measure_engine(model_dir: Path, threads: int, quiet: Quiet, read_bw: float) 
         llm.generate(short[:2], greedy(8))  # warm: kernels built, caches touched
         row: dict = {"engine_args": kw}
         for batch in (1, 8, 32):
+            if batch == 1:
+                before = measure_bandwidth(1.5)[0]
             m = quiet.run(
                 f"{label}: decode batch {batch}",
                 lambda b=batch, llm=llm: decode_rate(llm, short[:b], 128),
             )
             row[f"decode_b{batch}_tokens_s"], nbytes = m.value
-            if batch == 1:
+            if batch == 1:  # against the bandwidth of the same minute: the faster side of it
+                row["read_bandwidth"] = max(before, measure_bandwidth(1.5)[0])
                 row["bytes_per_step"] = nbytes
-                row["roofline_fraction"] = row["decode_b1_tokens_s"] * nbytes / read_bw
+                row["roofline_fraction"] = (
+                    row["decode_b1_tokens_s"] * nbytes / row["read_bandwidth"]
+                )
         row["prefill_512_tokens_s"] = quiet.run(
             f"{label}: prefill", lambda llm=llm: prefill_rate(llm, long)
         ).value
         rows[label] = row
         print(
-            f"{label:36s} b1 {row['decode_b1_tokens_s']:6.1f} tok/s "
-            f"({row['roofline_fraction']:.0%} of roofline, {nbytes / 2**20:.0f} MiB/step) "
+            f"{label:44s} b1 {row['decode_b1_tokens_s']:6.1f} tok/s "
+            f"({row['roofline_fraction']:.0%} of roofline, {row['bytes_per_step'] / 2**20:.0f} MiB/step) "
             f"b8 {row['decode_b8_tokens_s']:6.1f} b32 {row['decode_b32_tokens_s']:6.1f} "
             f"prefill 512 {row['prefill_512_tokens_s']:5.0f}",
             flush=True,
@@ -95,8 +106,8 @@ def gguf_files(llama_cpp: Path, model_dir: Path) -> dict[str, Path]:
     out = {t: model_dir.parent / f"{model_dir.name}-{t.lower()}.gguf" for t in GGUF_TYPES}
     if not out["F32"].exists():
         subprocess.run(
-            [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(model_dir),
-             "--outtype", "f32", "--outfile", str(out["F32"])],
+            [sys.executable, str(Path(__file__).parent / "lib" / "gguf_convert.py"),
+             str(llama_cpp), str(model_dir), str(out["F32"])],
             check=True,
         )  # fmt: skip
     for t in ("Q8_0", "Q4_0"):
@@ -107,38 +118,48 @@ def gguf_files(llama_cpp: Path, model_dir: Path) -> dict[str, Path]:
 
 
 def llama_bench(llama_cpp: Path, gguf: Path, threads: int) -> dict:
-    """llama-bench's tokens/s: pp512 (prompt processing) and tg128 after a 128-token context."""
-    cmd = [str(llama_cpp / "build" / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads),
-           "-p", "512", "-n", "128", "-d", "128", "-r", "3", "-o", "json"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    rows = json.loads(done.stdout)
-    pp = next(r for r in rows if r["n_prompt"] == 512 and r["n_gen"] == 0)
-    tg = next(r for r in rows if r["n_gen"] == 128)
-    return {"prefill_512_tokens_s": pp["avg_ts"], "decode_b1_tokens_s": tg["avg_ts"],
-            "decode_samples": tg.get("samples_ts"), "command": " ".join(cmd)}  # fmt: skip
+    """llama-bench's tokens/s: pp512 (prompt processing from an empty context) and tg128 (token
+    generation after a 128-token context, as pdserve's batch-1 decode), 3 repetitions each, and
+    the read bandwidth of the same minute (the faster of a sample before and one after)."""
+    exe = str(llama_cpp / "build" / "bin" / "llama-bench")
+    out = {"read_bandwidth": measure_bandwidth(1.5)[0]}
+    for key, test in (("prefill_512", ["-p", "512", "-n", "0"]),
+                      ("decode_b1", ["-p", "0", "-n", "128", "-d", "128"])):  # fmt: skip
+        cmd = [exe, "-m", str(gguf), "-t", str(threads), *test, "-r", "3", "-o", "json"]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        row = json.loads(done.stdout)[0]
+        out[f"{key}_tokens_s"] = row["avg_ts"]
+        out[f"{key}_samples"] = row.get("samples_ts")
+        out[f"{key}_command"] = " ".join(cmd)
+    out["read_bandwidth"] = max(out["read_bandwidth"], measure_bandwidth(1.5)[0])
+    return out
 
 
 def print_tables(rows: dict, hf: float, llama: dict, read_bw: float) -> None:
     base = rows["float32, oneDNN + SDPA"]["decode_b1_tokens_s"]
-    print(f"\nread bandwidth {read_bw / 1e9:.1f} GB/s")
-    print("| engine | batch-1 decode tok/s | x oneDNN + SDPA | of roofline | MiB / step "
+    print(f"\nread bandwidth at the start {read_bw / 1e9:.1f} GB/s")
+    print("| engine | batch-1 decode tok/s | x oneDNN + SDPA | of roofline (GB/s) | MiB / step "
           "| batch 8 | batch 32 | prefill 512 tok/s |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for label, r in rows.items():
         print(f"| {label} | {r['decode_b1_tokens_s']:.1f} | {r['decode_b1_tokens_s'] / base:.2f}x "
-              f"| {r['roofline_fraction']:.0%} | {r['bytes_per_step'] / 2**20:.0f} "
+              f"| {r['roofline_fraction']:.0%} ({r['read_bandwidth'] / 1e9:.0f}) "
+              f"| {r['bytes_per_step'] / 2**20:.0f} "
               f"| {r['decode_b8_tokens_s']:.1f} | {r['decode_b32_tokens_s']:.1f} "
               f"| {r['prefill_512_tokens_s']:.0f} |")  # fmt: skip
     print(f"| HF generate, float32 | {hf:.1f} | {hf / base:.2f}x | | | | | |")
     if not llama:
         return
-    print("\n| precision | llama.cpp decode | pdserve decode | pdserve / llama.cpp "
-          "| llama.cpp prefill 512 | pdserve prefill 512 | pdserve / llama.cpp |")  # fmt: skip
+    print("\n| precision | llama.cpp decode (of roofline) | pdserve decode (of roofline) "
+          "| pdserve / llama.cpp | llama.cpp prefill 512 | pdserve prefill 512 "
+          "| pdserve / llama.cpp |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for t, lr in llama.items():
         pr = rows[GGUF_TYPES[t]]
         d, p = pr["decode_b1_tokens_s"], pr["prefill_512_tokens_s"]
-        print(f"| {t} | {lr['decode_b1_tokens_s']:.1f} | {d:.1f} | {d / lr['decode_b1_tokens_s']:.2f}x "
+        lf = lr["decode_b1_tokens_s"] * pr["bytes_per_step"] / lr["read_bandwidth"]
+        print(f"| {t} | {lr['decode_b1_tokens_s']:.1f} ({lf:.0%}) | {d:.1f} "
+              f"({pr['roofline_fraction']:.0%}) | {d / lr['decode_b1_tokens_s']:.2f}x "
               f"| {lr['prefill_512_tokens_s']:.0f} | {p:.0f} | {p / lr['prefill_512_tokens_s']:.2f}x |")  # fmt: skip
 
 
@@ -164,7 +185,7 @@ def main() -> int:
             llama[t] = llama_bench(args.llama_cpp, f, args.threads)
             print(f"llama.cpp {t}: decode {llama[t]['decode_b1_tokens_s']:.1f} tok/s, "
                   f"prefill 512 {llama[t]['prefill_512_tokens_s']:.0f} tok/s", flush=True)  # fmt: skip
-    rows = measure_engine(model_dir, args.threads, quiet, read_bw)
+    rows = measure_engine(model_dir, args.threads, quiet)
     cfg = BenchConfig(decode_prompt_len=128, decode_output_len=128)
     hf = bench_hf_decode(
         cfg,

@@ -17,6 +17,7 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -52,6 +53,12 @@ def _cpu_flags() -> str:
 
 def _compiler() -> str:
     return os.environ.get("CC", "cc")
+
+
+def compiler_present() -> bool:
+    """Whether this machine has the C compiler the kernels build with (`$CC`, else `cc`): where
+    it has one, a failed build is a bug, not a missing feature (the tests rely on this)."""
+    return shutil.which(_compiler()) is not None
 
 
 def build(sources: tuple[Path, ...] = SOURCES) -> Path:

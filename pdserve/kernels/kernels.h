@@ -21,4 +21,7 @@ int pd_decode_attention(const float *q, int64_t q_stride, int64_t nd, int64_t hq
                         const int64_t *slots, int64_t slots_stride, const int64_t *lens,
                         float scale, float *out);
 
+/* cpu_memory.c: the sum of x[0 .. n), read at the speed the memory system allows. */
+float pd_read_sum(const float *x, int64_t n);
+
 #endif

@@ -21,11 +21,6 @@ static inline vu load_u(const uint8_t *p) { vu v; memcpy(&v, p, sizeof v); retur
 static inline void store_f(float *p, vf v) { memcpy(p, &v, sizeof v); }
 static inline vf splat(float s) { return (vf){0} + s; }
 static inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
-static inline float hsum(vf v) {
-    float s = 0;
-    for (int i = 0; i < V; i++) s += v[i];
-    return s;
-}
 
 /* 16 int8 (or 16 uint8) as 16 floats. */
 #if defined(__AVX512F__)
@@ -63,6 +58,17 @@ static inline vf uint8_f(vu b) {
     vf v;
     for (int i = 0; i < V; i++) v[i] = (float)b[i];
     return v;
+}
+#endif
+
+/* The sum of a vector's 16 lanes. */
+#if defined(__AVX512F__)
+static inline float hsum(vf v) { return _mm512_reduce_add_ps((__m512)v); }
+#else
+static inline float hsum(vf v) {
+    float s = 0;
+    for (int i = 0; i < V; i++) s += v[i];
+    return s;
 }
 #endif
 

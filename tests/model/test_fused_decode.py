@@ -18,7 +18,7 @@ from pdserve.kernels import build
 from pdserve.models.attention import AttentionMetadata
 from pdserve.models.kv_quant import dequantize_rows, quantize_rows
 
-pytestmark = pytest.mark.skipif(not build.available()[0], reason="native kernels unavailable")
+pytestmark = pytest.mark.skipif(not build.compiler_present(), reason="no C compiler here")
 
 CONTEXTS = [1, 9, 30, 17]  # each decode's context, its own new token included
 BLOCK = 4
