@@ -1,6 +1,7 @@
 """Decode and prefill per kernel and precision, against the roofline, HF and llama.cpp, in one run.
 
-    python benchmarks/decode_bench.py [--llama-cpp DIR] [--output decode.json]     # ~8 min
+    python benchmarks/decode_bench.py [--llama-cpp DIR] [--output decode.json]     # ~10 min
+    python benchmarks/decode_bench.py --head-to-head 6 [--llama-cpp DIR]          # ~3 min
 
 On the random llama-125m of the engine benchmarks (2 threads), for each engine configuration
 (matmul kernels x attention kernels x weight precision x KV dtype): batch-1 decode tokens/s
@@ -135,6 +136,50 @@ def llama_bench(llama_cpp: Path, gguf: Path, threads: int) -> dict:
     return out
 
 
+def head_to_head(model_dir: Path, llama_cpp: Path | None, threads: int, rounds: int) -> dict:
+    """Batch-1 decode of the default float32 engine (and llama.cpp F32 where given) alternated
+    `rounds` times, a bandwidth sample before and after each, so that every figure has the
+    roofline of its own minute: this machine's read bandwidth moves by up to 2x between minutes,
+    more than the kernels differ."""
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompt = random_prompts(random.Random(0), [128], vocab)
+    llm = LLM(str(model_dir), num_threads=threads, enable_prefix_caching=False)
+    llm.generate(prompt, greedy(8))
+    gguf = gguf_files(llama_cpp, model_dir)["F32"] if llama_cpp else None
+    out: dict[str, list] = {"pdserve": [], "llama_cpp": []}
+    for r in range(rounds):
+        bw0 = measure_bandwidth(1.5)[0]
+        tok_s, nbytes = decode_rate(llm, prompt, 128)
+        bw1 = measure_bandwidth(1.5)[0]
+        out["pdserve"].append({"tokens_s": tok_s, "bytes_per_step": nbytes,
+                               "read_bandwidth": max(bw0, bw1),
+                               "roofline_fraction": tok_s * nbytes / max(bw0, bw1)})  # fmt: skip
+        line = (
+            f"round {r}: pdserve {tok_s:.1f} tok/s ({out['pdserve'][-1]['roofline_fraction']:.0%})"
+        )
+        if gguf:
+            exe = str(llama_cpp / "build" / "bin" / "llama-bench")
+            cmd = [exe, "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", "128", "-d", "128",
+                   "-r", "2", "-o", "json"]  # fmt: skip
+            ts = json.loads(subprocess.run(cmd, capture_output=True, text=True,
+                                           check=True).stdout)[0]["avg_ts"]  # fmt: skip
+            bw2 = measure_bandwidth(1.5)[0]
+            out["llama_cpp"].append({"tokens_s": ts, "read_bandwidth": max(bw1, bw2),
+                                     "roofline_fraction": ts * nbytes / max(bw1, bw2)})  # fmt: skip
+            line += f", llama.cpp {ts:.1f} ({out['llama_cpp'][-1]['roofline_fraction']:.0%})"
+        print(line, flush=True)
+    for key, runs in out.items():
+        if runs:
+            fr = [x["roofline_fraction"] for x in runs]
+            print(f"{key}: median {statistics.median(x['tokens_s'] for x in runs):.1f} tok/s, "
+                  f"median {statistics.median(fr):.0%} of the roofline (range "
+                  f"{min(fr):.0%}-{max(fr):.0%})")  # fmt: skip
+    if out["llama_cpp"]:
+        ratios = [a["tokens_s"] / b["tokens_s"] for a, b in zip(out["pdserve"], out["llama_cpp"])]
+        print(f"pdserve / llama.cpp per round: {', '.join(f'{x:.2f}x' for x in ratios)}")
+    return out
+
+
 def print_tables(rows: dict, hf: float, llama: dict, read_bw: float) -> None:
     base = rows["float32, oneDNN + SDPA"]["decode_b1_tokens_s"]
     print(f"\nread bandwidth at the start {read_bw / 1e9:.1f} GB/s")
@@ -169,9 +214,17 @@ def main() -> int:
     p.add_argument("--model-dir", type=Path, help="reuse (or create) the model folder here")
     p.add_argument("--llama-cpp", type=Path, help="a llama.cpp source tree with build/bin built")
     p.add_argument("--output", type=Path)
+    p.add_argument("--head-to-head", type=int, metavar="ROUNDS",
+                   help="only alternate float32 batch-1 decode with llama.cpp F32, ROUNDS times")  # fmt: skip
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = make_model(args.model_dir or Path("/tmp/pdbench/llama-125m"))
+    if args.head_to_head:
+        out = head_to_head(model_dir, args.llama_cpp, args.threads, args.head_to_head)
+        if args.output:
+            out.update(machine=machine_info(), code=code_info(), threads=args.threads)
+            args.output.write_text(json.dumps(out, indent=2))
+        return 0
     quiet = Quiet(tries=3, quiet_wait_s=20.0, patience_s=240.0)
     samples = [quiet.run("read bandwidth", lambda: measure_bandwidth(3.0)).value[0]
                for _ in range(3)]  # fmt: skip
