@@ -83,10 +83,15 @@ class FusedDecode:
     ) -> torch.Tensor:
         nd = x.shape[0]
         rope = self.model.rope
+        # the C side reads int64 indices, the context slots row by row (no copies when they are)
+        positions, new_slots, lens = (t.to(torch.int64).contiguous()
+                                      for t in (positions, meta.slot_mapping, meta.decode_lens))  # fmt: skip
+        ctx = meta.decode_slots.to(torch.int64)
+        ctx = ctx if ctx.stride(1) == 1 else ctx.contiguous()
         step = native.StepDesc(
-            nd=nd, positions=positions.data_ptr(), new_slots=meta.slot_mapping.data_ptr(),
-            ctx_slots=meta.decode_slots.data_ptr(), slots_stride=meta.decode_slots.stride(0),
-            lens=meta.decode_lens.data_ptr(), cos=rope.cos.data_ptr(), sin=rope.sin.data_ptr(),
+            nd=nd, positions=positions.data_ptr(), new_slots=new_slots.data_ptr(),
+            ctx_slots=ctx.data_ptr(), slots_stride=ctx.stride(0), lens=lens.data_ptr(),
+            cos=rope.cos.data_ptr(), sin=rope.sin.data_ptr(),
             scratch=self._scratch_for(nd).data_ptr(),
         )  # fmt: skip
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):

@@ -213,13 +213,14 @@ def _burst(url: str, n: int, body: dict) -> list[httpx.Response]:
 
 @pytest.mark.slow
 def test_overload_and_queue_timeout_503(stories_path):
-    """One request runs, two may wait (and time out after 0.15 s), the rest are refused."""
+    """One request runs, two may wait (and time out after 0.03 s: the running one's 450 tokens
+    take longer even on the fused decode step, ~0.3 ms a token here), the rest are refused."""
     s = start_server(
         stories_path,
-        "--max-num-seqs", "1", "--max-waiting-requests", "2", "--queue-timeout", "0.15",
+        "--max-num-seqs", "1", "--max-waiting-requests", "2", "--queue-timeout", "0.03",
     )  # fmt: skip
     try:
-        rs = _burst(s.url, 10, cmpl(max_tokens=150, ignore_eos=True))
+        rs = _burst(s.url, 10, cmpl(max_tokens=450, ignore_eos=True))
         codes = sorted(r.status_code for r in rs)
         assert 200 in codes and set(codes) <= {200, 503}
         messages = [r.json()["error"]["message"] for r in rs if r.status_code == 503]
