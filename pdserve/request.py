@@ -38,6 +38,7 @@ class Request:
     # Disaggregation: its part in a handoff, on this worker (see `KVRole`).
     kv_role: KVRole | None = None
     kv_dest: Any = None  # for `KVRole.SEND`: where the KV goes (pdserve.disagg.KVDest)
+    spec: Any = None  # speculative decoding: its record (`pdserve.spec.proposer.SpecState`)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

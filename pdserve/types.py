@@ -228,6 +228,8 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    num_spec_proposed: int = 0  # speculative decoding: tokens proposed for verification
+    num_spec_accepted: int = 0  # and accepted by the model
 
     @property
     def queue_time(self) -> float | None:
@@ -290,6 +292,8 @@ class EngineCoreOutput:
     queue_time_s: float | None = None
     num_cached_tokens: int | None = None
     num_preemptions: int = 0
+    num_spec_proposed: int = 0  # speculative decoding, so far: tokens proposed, and accepted
+    num_spec_accepted: int = 0
     error: str | None = None  # why an aborted request was ended by the engine
     error_code: str | None = None  # "queue_timeout", or the `InvalidRequest` code (a 400)
     error_param: str | None = None  # the request parameter at fault, when there is one

@@ -7,7 +7,7 @@ value. Import the names from here.
 """
 
 from pdserve.config.disagg import DisaggConfig, worker_specs
-from pdserve.config.engine import CacheConfig, EngineArgs, SchedulerConfig
+from pdserve.config.engine import CacheConfig, EngineArgs, SchedulerConfig, SpecConfig
 from pdserve.config.model import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
 from pdserve.config.server import RequestLimits, ServerConfig
 from pdserve.config.settings import parse_size
@@ -21,6 +21,7 @@ __all__ = [
     "RequestLimits",
     "RopeConfig",
     "SchedulerConfig",
+    "SpecConfig",
     "ServerConfig",
     "parse_size",
     "worker_specs",

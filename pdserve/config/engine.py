@@ -23,6 +23,7 @@ from pdserve.config.settings import (
 
 KV_GROUP = "KV cache"
 SCHEDULER_GROUP = "scheduler"
+SPEC_GROUP = "speculative decoding"
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # when neither --kv-cache-memory nor --num-kv-blocks is given
 
 
@@ -60,6 +61,19 @@ class SchedulerConfig:
     reserved_kv_fraction: float  # of the KV blocks, kept free for the running requests
     priority_aging_s: float  # a waiting request gains one priority level per this wait
     priority_preemption: bool  # an urgent prompt runs alone; it may preempt lax requests
+    speculation: SpecConfig | None  # None: one token per decode step
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding (`pdserve.spec`): what proposes tokens and when it may."""
+
+    method: str  # "ngram": the continuation of the latest earlier match of the recent tokens
+    num_tokens: int  # at most this many proposed per request and step
+    ngram_min: int  # the shortest suffix that may match
+    ngram_max: int  # the longest suffix tried first
+    max_batch: int  # no proposals while more requests than this decode (compute-bound steps)
+    min_acceptance: float  # a request whose recent acceptance falls below this pauses proposing
 
 
 @dataclass(frozen=True)
@@ -155,6 +169,36 @@ class EngineArgs:
         "get no tokens (their streams pause), and a waiting urgent request preempts less "
         "urgent running ones for a sequence slot or KV blocks",
     )
+    speculative_method: str = setting(
+        "none",
+        choices=("none", "ngram"),
+        group=SPEC_GROUP,
+        help="propose tokens for decoding requests and verify them in one forward, losslessly "
+        "(greedy: identical tokens; sampled: the same distribution): ngram looks the recent "
+        "tokens up in the prompt and output so far (see pdserve/spec)",
+    )
+    num_speculative_tokens: int = setting(
+        4, group=SPEC_GROUP, help="tokens proposed per request and step", checks=(at_least(1),)
+    )
+    speculative_ngram_min: int = setting(
+        2, group=SPEC_GROUP, help="ngram: the shortest suffix that may match", checks=(at_least(1),)
+    )
+    speculative_ngram_max: int = setting(
+        4, group=SPEC_GROUP, help="ngram: the longest suffix, tried first", checks=(at_least(1),)
+    )
+    speculative_max_batch: int = setting(
+        8,
+        group=SPEC_GROUP,
+        help="propose only while at most this many requests decode (beyond, a decode step is no "
+        "longer bandwidth-bound and verifying costs more than it saves)",
+        checks=(at_least(1),),
+    )
+    speculative_min_acceptance: float = setting(
+        0.3,
+        group=SPEC_GROUP,
+        help="a request whose recent share of accepted proposals falls below this stops "
+        "proposing for a while",
+    )
     num_threads: int | None = setting(
         None,
         help="torch CPU threads (default: one per allowed CPU that other processes leave free, "
@@ -236,4 +280,14 @@ class EngineArgs:
             reserved_kv_fraction=self.reserved_kv_fraction,
             priority_aging_s=self.priority_aging_s,
             priority_preemption=self.priority_preemption,
+            speculation=None
+            if self.speculative_method == "none"
+            else SpecConfig(
+                method=self.speculative_method,
+                num_tokens=self.num_speculative_tokens,
+                ngram_min=self.speculative_ngram_min,
+                ngram_max=max(self.speculative_ngram_min, self.speculative_ngram_max),
+                max_batch=self.speculative_max_batch,
+                min_acceptance=self.speculative_min_acceptance,
+            ),
         )

@@ -177,7 +177,7 @@ class EngineCore:
         result = self.runner.execute(plan, self.kv.req_block_ids)
         t1 = time.perf_counter()
         outputs = self.scheduler.update(
-            plan, result.sampled, result.logprobs, result.prompt_logprobs
+            plan, result.sampled, result.logprobs, result.prompt_logprobs, result.speculated
         )
         step = self.stats.record(plan, t0, t1, self.scheduler.stats())
         if self.placement is not None:

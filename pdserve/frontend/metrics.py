@@ -82,6 +82,18 @@ class ServerMetrics:
         self.requests = Counter(
             "pdserve_requests", "finished requests", (*LABELS, "finish_reason"), registry=r
         )
+        self.spec_proposed = Counter(
+            "pdserve_spec_proposed_tokens",
+            "speculative decoding: tokens proposed for verification (counted as requests end)",
+            LABELS,
+            registry=r,
+        )
+        self.spec_accepted = Counter(
+            "pdserve_spec_accepted_tokens",
+            "speculative decoding: proposed tokens the model accepted (counted as requests end)",
+            LABELS,
+            registry=r,
+        )
         self.preemptions = Gauge(
             "pdserve_preemptions", "preemptions since the worker started", LABELS, registry=r
         )
@@ -246,6 +258,9 @@ class ServerMetrics:
             m = c.metrics
             if m is None:
                 continue
+            if m.num_spec_proposed:
+                self.spec_proposed.labels(*lab).inc(m.num_spec_proposed)
+                self.spec_accepted.labels(*lab).inc(m.num_spec_accepted)
             for hist, value in (
                 (self.ttft, m.ttft),
                 (self.tpot, m.tpot),

@@ -24,6 +24,9 @@ def timings(m: RequestMetrics | None) -> dict | None:
         "e2e_ms": _ms(m.e2e),
         "tpot_ms": _ms(m.tpot),
         "cached_prompt_tokens": m.num_cached_tokens,
+        # speculative decoding (0 without it): tokens proposed, and accepted by the model
+        "spec_proposed_tokens": m.num_spec_proposed,
+        "spec_accepted_tokens": m.num_spec_accepted,
     }
 
 

@@ -179,6 +179,8 @@ class OutputProcessor:
             m.scheduled_time = m.arrival_time + out.queue_time_s
             m.num_cached_tokens = out.num_cached_tokens or 0
         m.num_preemptions = out.num_preemptions
+        if out.num_spec_proposed:
+            m.num_spec_proposed, m.num_spec_accepted = out.num_spec_proposed, out.num_spec_accepted
         if out.new_token_ids:
             if m.first_token_time is None:
                 m.first_token_time = now

@@ -8,7 +8,7 @@ only for the rows that sample, and samples them: one host sync per step for the 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ from pdserve.models.quant_linear import quantized_bytes_per_param
 from pdserve.request import Request
 from pdserve.runner.sampler import Sampler, SamplingRow, TokenMasks, is_greedy
 from pdserve.sched.scheduler import SchedulerOutput
+from pdserve.spec.verify import verify
 from pdserve.structured.matcher import fill_bitmask
 from pdserve.types import Logprob
 
@@ -46,6 +47,8 @@ class StepResult:
     # Requests that asked for prompt logprobs: (index of the first prompt token scored, one
     # Logprob per token scored this step).
     prompt_logprobs: dict[str, tuple[int, list[Logprob]]]
+    # Requests that verified proposed tokens: the tokens each emits (`pdserve.spec.verify`).
+    speculated: dict[str, list[int]] = field(default_factory=dict)
 
 
 # Prompt logprobs are computed this many positions at a time (a [rows, vocab] logits block each).
@@ -59,6 +62,8 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [S] rows of the hidden states that sample, in plan order
     rows: list[SamplingRow]
+    # Requests with proposed tokens: (index in the plan, first row, end row) of their positions
+    spec_rows: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def _first_rows(plan: SchedulerOutput) -> list[int]:
@@ -211,12 +216,18 @@ class ModelRunner:
                 last_row[i] = r
 
         q = len(decodes)
+        spec_rows = []
         for i in prefills:
             s = items[i]
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
             table = block_tables[req.request_id]
-            tokens.extend(req.all_token_ids[start:end])
+            if s.spec_tokens:  # its last token, then the proposals to verify
+                tokens.append(req.all_token_ids[start])
+                tokens.extend(s.spec_tokens)
+                spec_rows.append((i, q, q + s.num_new_tokens))
+            else:
+                tokens.extend(req.all_token_ids[start:end])
             positions.append(np.arange(start, end))
             slots.append(self._slots(table, start, end))
             chunk = PrefillChunk(q, q + s.num_new_tokens, None, None)
@@ -229,7 +240,7 @@ class ModelRunner:
             last_row[i] = q - 1
 
         meta.slot_mapping = torch.from_numpy(np.concatenate(slots)).to(self.device)
-        sample_idx = [i for i, s in enumerate(items) if s.sample]
+        sample_idx = [i for i, s in enumerate(items) if s.sample and not s.spec_tokens]
         rows = [self._sampling_row(items[i].request) for i in sample_idx]
         return StepInputs(
             input_ids=torch.tensor(tokens, dtype=torch.long, device=self.device),
@@ -237,6 +248,7 @@ class ModelRunner:
             meta=meta,
             logits_indices=torch.tensor([last_row[i] for i in sample_idx], device=self.device),
             rows=rows,
+            spec_rows=spec_rows,
         )
 
     def _sampling_row(self, req: Request) -> SamplingRow:
@@ -258,15 +270,34 @@ class ModelRunner:
         inputs = self.prepare(plan, block_tables)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         prompt_logprobs = self._prompt_logprobs(plan, hidden)
+        speculated = self._verify(plan, inputs.spec_rows, hidden)
         if not inputs.rows:
-            return StepResult([], [], prompt_logprobs)
+            return StepResult([], [], prompt_logprobs, speculated)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         out = self.sampler(logits, inputs.rows, self._grammar_masks(plan))
-        return StepResult(out.token_ids, out.logprobs, prompt_logprobs)
+        return StepResult(out.token_ids, out.logprobs, prompt_logprobs, speculated)
+
+    def _verify(
+        self, plan: SchedulerOutput, spec_rows: list[tuple[int, int, int]], hidden: torch.Tensor
+    ) -> dict[str, list[int]]:
+        """The tokens each request with proposals emits, from the logits of all its positions
+        (one logits product for all such requests)."""
+        if not spec_rows:
+            return {}
+        index = torch.cat([torch.arange(a, b) for _, a, b in spec_rows]).to(hidden.device)
+        logits = self.model.compute_logits(hidden[index])
+        out, row = {}, 0
+        for i, a, b in spec_rows:
+            item = plan.scheduled[i]
+            sampling = self._sampling_row(item.request)
+            out[item.request.request_id] = verify(logits[row : row + b - a], item.spec_tokens,
+                                                  sampling)  # fmt: skip
+            row += b - a
+        return out
 
     def _grammar_masks(self, plan: SchedulerOutput) -> TokenMasks | None:
         """The allowed-token bitmask of each sampling row whose request has a grammar."""
-        sampling = [s.request for s in plan.scheduled if s.sample]
+        sampling = [s.request for s in plan.scheduled if s.sample and not s.spec_tokens]
         constrained = [(i, r) for i, r in enumerate(sampling) if r.grammar_state is not None]
         if not constrained:
             return None

@@ -183,8 +183,9 @@ def _token_counts(
     return counts
 
 
-def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Samples one token per row of `logits` ([num_rows, vocab]), all rows non-greedy."""
+def sampling_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The distribution each non-greedy row samples from ([num_rows, vocab]): temperature, then
+    top-k and top-p, then min-p, then softmax."""
     vocab_size = logits.shape[1]
     params = torch.tensor(
         [
@@ -206,7 +207,12 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
         logits = _apply_top_k_top_p(logits, top_k, top_p)
     if any(r.params.min_p > 0.0 for r in rows):
         logits = _apply_min_p(logits, min_p)
-    probs = logits.softmax(dim=-1)  # [num_rows, vocab]
+    return logits.softmax(dim=-1)  # [num_rows, vocab]
+
+
+def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Samples one token per row of `logits` ([num_rows, vocab]), all rows non-greedy."""
+    probs = sampling_probs(logits, rows)
     noise = _exponential_noise(probs, rows)
     return probs.div_(noise).argmax(dim=-1)
 

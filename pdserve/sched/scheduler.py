@@ -39,14 +39,18 @@ from pdserve.kv.manager import KVCacheManager
 from pdserve.request import Request
 from pdserve.sched.priority import PriorityPolicy
 from pdserve.sched.remote_kv import RemoteKV
+from pdserve.spec.proposer import Proposer
 from pdserve.types import EngineCoreOutput, KVRole, Logprob, RequestStatus
 
 
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # proposed tokens included
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+    # Speculative decoding: tokens proposed after the request's last one, verified this step
+    # (the step computes 1 + len(spec_tokens) tokens and emits 1 to len(spec_tokens) + 1).
+    spec_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -94,6 +98,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.priority = PriorityPolicy(config)
         self.remote = RemoteKV(self)  # the connector's half: requests whose KV crosses workers
+        spec = config.speculation
+        self.proposer = Proposer(spec, config.max_model_len) if spec is not None else None
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -193,6 +199,10 @@ class Scheduler:
             else 0
         )
 
+        num_decoding = sum(
+            r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens > 0
+            for r in self.running
+        )
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -207,6 +217,16 @@ class Scheduler:
             else:  # a prompt in prefill: after the new prompt's chunk and the decodes
                 num_new = self._chunk(request, budget - reserve - decodes_left)
                 if num_new <= 0:
+                    i += 1
+                    continue
+            spec: list[int] = []
+            if self.proposer is not None and num_new == 1 and request.num_output_tokens > 0:
+                spare = budget - 1 - (reserve + max(decodes_left, 0) if reserve else 0)
+                spec = self.proposer.propose(request, num_decoding, spare)
+                # proposals never cost a preemption: without room they are dropped
+                if spec and self.kv.allocate_slots(request, 1 + len(spec)):
+                    self._add(out, request, 1 + len(spec), spec)
+                    budget -= 1 + len(spec)
                     i += 1
                     continue
             while not self.kv.allocate_slots(request, num_new):
@@ -267,12 +287,14 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _add(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
-        sample = request.num_computed_tokens + num_new == request.num_tokens
+    def _add(
+        self, out: SchedulerOutput, request: Request, num_new: int, spec: list[int] = ()
+    ) -> None:
+        sample = request.num_computed_tokens + num_new - len(spec) == request.num_tokens
         sample = sample and request.max_tokens > 0  # max_tokens 0: score the prompt only
-        out.scheduled.append(ScheduledRequest(request, num_new, sample))
-        if num_new == 1 and request.num_output_tokens > 0:
-            out.num_decode_tokens += 1
+        out.scheduled.append(ScheduledRequest(request, num_new, sample, list(spec)))
+        if num_new - len(spec) == 1 and request.num_output_tokens > 0:
+            out.num_decode_tokens += num_new
         else:
             out.num_prefill_tokens += num_new
 
@@ -291,9 +313,11 @@ class Scheduler:
         sampled: list[int],
         logprobs: list[Logprob | None] | None = None,
         prompt_logprobs: dict[str, tuple[int, list[Logprob]]] | None = None,
+        speculated: dict[str, list[int]] | None = None,
     ) -> list[EngineCoreOutput]:
         """Advance the counters by the computed tokens, append sampled tokens (one per sampling
-        request, in plan order), and finish requests that hit EOS, a stop token or a length."""
+        request, in plan order; `speculated`: the tokens each request with proposals emits), and
+        finish requests that hit EOS, a stop token or a length."""
         now = self.clock()
         outputs: list[EngineCoreOutput] = []
         for rid, (start, scored) in (prompt_logprobs or {}).items():
@@ -305,6 +329,11 @@ class Scheduler:
         k = 0
         for item in plan.scheduled:
             request = item.request
+            if item.spec_tokens:
+                out = self._update_speculated(request, item, speculated[request.request_id], now)
+                if out is not None:
+                    outputs.append(out)
+                continue
             request.num_computed_tokens += item.num_new_tokens
             if not item.sample:
                 if (
@@ -339,6 +368,37 @@ class Scheduler:
                 out.stop_reason = request.stop_reason
             outputs.append(out)
         return outputs
+
+    def _update_speculated(
+        self, request: Request, item: ScheduledRequest, emitted: list[int], now: float
+    ) -> EngineCoreOutput | None:
+        """A verified step: the accepted proposals and the model's next token, each checked for
+        a stop; the KV of the rejected proposals' positions is left to be overwritten."""
+        accepted = len(emitted) - 1
+        request.num_computed_tokens += 1 + accepted  # the last token and the accepted proposals
+        self.proposer.record(request, len(item.spec_tokens), accepted)
+        m = request.metrics
+        m.num_spec_proposed += len(item.spec_tokens)
+        m.num_spec_accepted += accepted
+        if request.is_finished:  # ended by an abort during the step
+            return None
+        out = EngineCoreOutput(request.request_id, [])
+        status = None
+        for token in emitted:
+            request.append_output_token(token)
+            m.token_times.append(now)
+            out.new_token_ids.append(token)
+            status = self.check_stop(request, token)
+            if status is not None:
+                break
+        out.num_preemptions = m.num_preemptions
+        out.num_spec_proposed, out.num_spec_accepted = m.num_spec_proposed, m.num_spec_accepted
+        if status is not None:
+            self.running.remove(request)
+            self.finish(request, status)
+            out.finish_reason = status.finish_reason
+            out.stop_reason = request.stop_reason
+        return out
 
     def _finish_scored(self, request: Request) -> EngineCoreOutput:
         """A `max_tokens=0` request whose prompt is computed: it ends without a token."""

@@ -30,7 +30,7 @@ def advise_json(capsys, *argv) -> dict:
 
 def test_a_prefill_bound_run_is_called_prefill_bound(server, tmp_path, capsys, stories_path):
     run = bench(server, tmp_path, "prefill", "--num-requests", "64", "--input-len", "480",
-                "--output-len", "2", "--slo", "ttft_ms=100,tpot_ms=2000")  # fmt: skip
+                "--output-len", "1", "--slo", "ttft_ms=100,tpot_ms=2000")  # fmt: skip
     v = advise_json(capsys, "--bench", run)
     assert v["bound"] == "prefill", v
     assert "against 100 ms" in v["summary"]

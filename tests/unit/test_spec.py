@@ -1,0 +1,181 @@
+"""Speculative decoding's parts: prompt lookup, the adaptive rule, the scheduler's budget and
+bookkeeping for verified steps (no torch there), and the verifier's losslessness (greedy exact,
+sampled checked by a chi-square test against the model's own distribution)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.config import EngineArgs
+from pdserve.kv.manager import KVCacheManager
+from pdserve.request import Request
+from pdserve.runner.sampler import SamplingRow, sampling_probs
+from pdserve.sched.scheduler import Scheduler
+from pdserve.spec.ngram import propose
+from pdserve.spec.verify import verify
+from pdserve.types import RequestStatus, SamplingParams
+
+BS = 4
+
+
+@pytest.mark.parametrize(
+    ("tokens", "k", "n_min", "n_max", "want"),
+    [
+        ([1, 2, 3, 4, 1, 2], 3, 1, 3, [3, 4, 1]),  # the suffix [1, 2] recurs at 0
+        ([1, 2, 3, 4, 5], 3, 1, 3, []),  # nothing recurs
+        ([7, 1, 2, 9, 5, 1, 2], 4, 2, 2, [9, 5, 1, 2]),
+        ([1, 2, 8, 3, 2, 9, 1, 2], 1, 1, 2, [8]),  # the longest suffix ([1, 2]) wins over [2]
+        ([5, 2, 6, 2], 2, 1, 1, [6, 2]),  # the latest earlier match of [2] (at 1)
+        ([1, 2, 3, 1, 2], 5, 3, 3, []),  # no match of length 3: n_min is respected
+        ([4, 4], 3, 1, 2, [4]),  # a proposal is only tokens already seen
+    ],
+)
+def test_prompt_lookup(tokens, k, n_min, n_max, want):
+    assert propose(tokens, k, n_min, n_max) == want
+
+
+def make_request(rid, prompt, max_tokens=16, **params):
+    p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params)
+    return Request(rid, prompt, p, max_tokens, eos_token_ids=(2,))
+
+
+def make_scheduler(num_blocks=64, budget=64, **settings):
+    settings.setdefault("speculative_method", "ngram")
+    args = EngineArgs(model="m", max_num_batched_tokens=budget, **settings)
+    return Scheduler(args.scheduler_config(128), KVCacheManager(num_blocks, BS))
+
+
+REPEATING = [
+    10,
+    11,
+    12,
+    13,
+    14,
+    10,
+    11,
+    12,
+]  # ends in a suffix that recurs: proposes [13, 14, 10, 11]
+
+
+def decoding(sched, request, first_token):
+    """Admit the request, run its prefill, and give it its first output token."""
+    sched.add_request(request)
+    plan = sched.schedule()
+    assert plan.scheduled[0].num_new_tokens == request.num_prompt_tokens
+    sched.update(plan, [first_token])
+
+
+def test_a_decoding_request_with_a_match_is_budgeted_its_proposals():
+    sched = make_scheduler()
+    r = make_request("a", REPEATING[:-1])
+    decoding(sched, r, 12)  # all tokens now REPEATING
+    plan = sched.schedule()
+    (item,) = plan.scheduled
+    assert item.spec_tokens == [13, 14, 10, 11] and item.num_new_tokens == 5 and item.sample
+    assert plan.num_decode_tokens == 5
+    # the model agrees with the first two proposals, then says 99
+    out = sched.update(plan, [], speculated={"a": [13, 14, 99]})
+    assert out[0].new_token_ids == [13, 14, 99]
+    assert r.output_token_ids == [12, 13, 14, 99]
+    assert r.num_computed_tokens == r.num_tokens - 1  # the 99 is the one left to compute
+    assert (r.metrics.num_spec_proposed, r.metrics.num_spec_accepted) == (4, 2)
+    assert (out[0].num_spec_proposed, out[0].num_spec_accepted) == (4, 2)
+
+
+def test_proposals_stop_at_a_stop_token_and_never_pass_max_tokens():
+    sched = make_scheduler()
+    r = make_request("a", REPEATING[:-1], max_tokens=4, stop_token_ids=[14])
+    decoding(sched, r, 12)
+    plan = sched.schedule()
+    assert len(plan.scheduled[0].spec_tokens) == 2  # 3 left to emit: 2 proposals + 1 token
+    out = sched.update(plan, [], speculated={"a": [13, 14, 10]})
+    assert out[0].new_token_ids == [13, 14] and out[0].finish_reason == "stop"
+    assert r.status == RequestStatus.FINISHED_STOPPED and not sched.has_unfinished
+    sched.kv.pool.check_whole()
+
+
+def test_no_proposals_for_large_batches_stateful_sampling_or_a_short_budget():
+    sched = make_scheduler(speculative_max_batch=1)
+    a, b = make_request("a", REPEATING[:-1]), make_request("b", REPEATING[:-1])
+    for r in (a, b):
+        sched.add_request(r)
+    sched.update(sched.schedule(), [12, 12])
+    plan = sched.schedule()  # two decode: more than max_batch
+    assert [s.spec_tokens for s in plan.scheduled] == [[], []]
+    for params in ({"logprobs": 0}, {"repetition_penalty": 1.2}, {"min_tokens": 8}):
+        s2 = make_scheduler()
+        r = make_request("c", REPEATING[:-1], **params)
+        decoding(s2, r, 12)
+        assert s2.schedule().scheduled[0].spec_tokens == []
+    s3 = make_scheduler(budget=2)
+    r = make_request("d", REPEATING[:-1])
+    s3.add_request(r)
+    while r.num_output_tokens == 0:
+        plan = s3.schedule()
+        s3.update(plan, [12] * sum(s.sample for s in plan.scheduled))
+    assert len(s3.schedule().scheduled[0].spec_tokens) == 1  # the budget leaves room for one
+
+
+def test_low_acceptance_pauses_proposals_for_a_growing_while():
+    sched = make_scheduler(speculative_min_acceptance=0.5)
+    r = make_request("a", REPEATING[:-1], max_tokens=100)
+    decoding(sched, r, 12)
+    pauses = []
+    steps_without = 0
+    for _ in range(40):
+        plan = sched.schedule()
+        item = plan.scheduled[0]
+        if item.spec_tokens:
+            pauses.append(steps_without)
+            steps_without = 0
+            # reject everything and emit a token that keeps the suffix recurring
+            sched.update(plan, [], speculated={"a": [r.all_token_ids[-5]]})
+        else:
+            steps_without += 1
+            sched.update(plan, [r.all_token_ids[-4]])
+    assert r.spec.proposed > 0 and r.spec.accepted == 0
+    # acceptance 0 -> EMA 0.5 -> 0.25 < 0.5 after the second rejection: pause 4, then 8, 16
+    assert [p for p in pauses if p] == [4, 8, 16]
+
+
+def row(**params):
+    return SamplingRow(SamplingParams(**params), None, [], [])
+
+
+def test_greedy_verification_keeps_the_agreeing_prefix_and_the_models_token():
+    logits = torch.full((4, 10), -1.0)
+    for pos, best in enumerate([3, 5, 7, 1]):
+        logits[pos, best] = 5.0
+    assert verify(logits, [3, 5, 2], row(temperature=0)) == [3, 5, 7]
+    assert verify(logits, [3, 5, 7], row(temperature=0)) == [3, 5, 7, 1]  # all + a bonus
+    assert verify(logits, [4, 5, 7], row(temperature=0)) == [3]
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "drew a token of probability zero"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+@pytest.mark.parametrize(
+    "params", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 5}, {"top_p": 0.8}]
+)
+def test_sampled_verification_follows_the_models_distribution(params):
+    """Over many draws, the first emitted token follows p_0, and the second (given the first
+    proposal was kept) follows p_1, whatever the proposals: a chi-square test at p = 0.001 for
+    8 categories (critical value 24.3)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 8, generator=g) * 1.5
+    r = SamplingRow(SamplingParams(**params, seed=1), torch.Generator().manual_seed(1), [], [])
+    probs = sampling_probs(logits, [r] * 3)
+    proposals = [int(probs[0].argmax()), int(probs[1].argmin())]  # a likely one, an unlikely one
+    first, second = torch.zeros(8), torch.zeros(8)
+    for _ in range(20000):
+        out = verify(logits, proposals, r)
+        first[out[0]] += 1
+        if out[0] == proposals[0]:
+            second[out[1]] += 1
+    assert chi_square(first, probs[0]) < 24.3
+    assert chi_square(second, probs[1]) < 24.3
