@@ -74,6 +74,7 @@ class SpecConfig:
     ngram_max: int  # the longest suffix tried first
     max_batch: int  # no proposals while more requests than this decode (compute-bound steps)
     min_acceptance: float  # a request whose recent acceptance falls below this pauses proposing
+    adaptive: bool  # False: propose whenever there is a match (within max_batch), for tests
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,13 @@ class EngineArgs:
         help="a request whose recent share of accepted proposals falls below this stops "
         "proposing for a while",
     )
+    speculative_adaptive: bool = setting(
+        True,
+        flag="no-speculative-adaptive",
+        group=SPEC_GROUP,
+        help="propose whenever a match is found (within --speculative-max-batch), even where "
+        "the measured step times say it does not pay and acceptance is low",
+    )
     num_threads: int | None = setting(
         None,
         help="torch CPU threads (default: one per allowed CPU that other processes leave free, "
@@ -289,5 +297,6 @@ class EngineArgs:
                 ngram_max=max(self.speculative_ngram_min, self.speculative_ngram_max),
                 max_batch=self.speculative_max_batch,
                 min_acceptance=self.speculative_min_acceptance,
+                adaptive=self.speculative_adaptive,
             ),
         )

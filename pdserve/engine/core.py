@@ -176,6 +176,7 @@ class EngineCore:
         t0 = time.perf_counter()
         result = self.runner.execute(plan, self.kv.req_block_ids)
         t1 = time.perf_counter()
+        self.scheduler.observe_step(plan, t1 - t0)
         outputs = self.scheduler.update(
             plan, result.sampled, result.logprobs, result.prompt_logprobs, result.speculated
         )

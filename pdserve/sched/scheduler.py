@@ -199,10 +199,13 @@ class Scheduler:
             else 0
         )
 
-        num_decoding = sum(
-            r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens > 0
-            for r in self.running
-        )
+        if self.proposer is not None:
+            self.proposer.begin_step(
+                sum(
+                    r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens > 0
+                    for r in self.running
+                )
+            )
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -222,7 +225,7 @@ class Scheduler:
             spec: list[int] = []
             if self.proposer is not None and num_new == 1 and request.num_output_tokens > 0:
                 spare = budget - 1 - (reserve + max(decodes_left, 0) if reserve else 0)
-                spec = self.proposer.propose(request, num_decoding, spare)
+                spec = self.proposer.propose(request, spare)
                 # proposals never cost a preemption: without room they are dropped
                 if spec and self.kv.allocate_slots(request, 1 + len(spec)):
                     self._add(out, request, 1 + len(spec), spec)
@@ -399,6 +402,12 @@ class Scheduler:
             out.finish_reason = status.finish_reason
             out.stop_reason = request.stop_reason
         return out
+
+    def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:
+        """How long the plan's forward took (for the speculation rule)."""
+        if self.proposer is not None:
+            speculated = any(s.spec_tokens for s in plan.scheduled)
+            self.proposer.observe_step(speculated, plan.num_prefill_tokens == 0, seconds)
 
     def _finish_scored(self, request: Request) -> EngineCoreOutput:
         """A `max_tokens=0` request whose prompt is computed: it ends without a token."""

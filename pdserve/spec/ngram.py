@@ -1,4 +1,9 @@
-"""Prompt lookup: propose what followed the latest earlier occurrence of the last n tokens."""
+"""Prompt lookup: propose what followed the latest earlier occurrence of the last n tokens.
+
+`propose` searches the tokens directly (the reference); `NgramIndex` gives the same answer from
+a table it keeps up to date as tokens are appended, so a lookup costs a few dictionary probes
+however long the request is (the scheduler asks every decoding request every step).
+"""
 
 from __future__ import annotations
 
@@ -20,3 +25,30 @@ def propose(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
                 if follow:
                     return list(follow)
     return []
+
+
+class NgramIndex:
+    """For each n-gram (n_min <= n <= n_max) of a growing token list that some token follows,
+    where it last started. Feed it with `update(tokens)` after tokens are appended."""
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.n_min, self.n_max = n_min, n_max
+        self.last: dict[tuple[int, ...], int] = {}
+        self.seen = 0  # tokens indexed: every n-gram ending before position seen - 1
+
+    def update(self, tokens: Sequence[int]) -> None:
+        for end in range(
+            max(self.seen, 1), len(tokens)
+        ):  # token `end` follows n-grams ending at end - 1
+            for n in range(self.n_min, min(self.n_max, end) + 1):
+                self.last[tuple(tokens[end - n : end])] = end - n
+        self.seen = len(tokens)
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """What `propose(tokens, k, n_min, n_max)` returns (call `update` first)."""
+        n_tokens = len(tokens)
+        for n in range(min(self.n_max, n_tokens - 1), self.n_min - 1, -1):
+            i = self.last.get(tuple(tokens[n_tokens - n :]))
+            if i is not None:
+                return list(tokens[i + n : i + n + k])
+        return []

@@ -2,28 +2,38 @@
 
 A request proposes only when speculation can pay and stay lossless here:
 
-- the step is bandwidth-bound: at most `max_batch` requests decode (beyond that a decode step
-  is compute-bound on the matrix products, and verifying k + 1 tokens per request costs about
-  k + 1 times as much as one);
+- it pays on this engine, measured: the rule keeps the recent time of a plain decode step and
+  of a verifying step (exponential averages over the steps of each kind) and the recent
+  acceptance over all requests; speculation stays on while a verifying step is expected to
+  yield more tokens per second than plain decoding, (1 + acceptance * k) / t_verify >=
+  1 / t_decode. Where it does not (a model so small that a step is overhead, not weights; a
+  batch large enough that verifying k + 1 tokens a request is compute-bound), it is off, and
+  tried again for one step every `PROBE_EVERY` steps (or more: so that the tries cost at most
+  5% of the time, 20 * t_verify / t_decode steps) to notice a change of load;
+- at most `max_batch` requests decode (beyond, a decode step is compute-bound anyway);
 - its proposals have been right often enough: an exponential average of its acceptance rate
   (accepted / proposed per step, weight 0.5) at or above `min_acceptance`; below, it stops
   proposing for a pause that doubles each time (4, 8, ... up to 64 steps), then tries again;
 - its sampling has no state that verification does not replay: no grammar, no penalties, no
-  logprobs, no pending `min_tokens` (those requests decode one token per step as before);
+  logprobs, no pending `min_tokens`, and no seed unless greedy (a seeded request's tokens must
+  not depend on when speculation ran); those requests decode one token per step as before;
 - the proposal fits: never past `max_tokens` (the step emits up to k + 1 tokens) nor the
   model's context.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from pdserve.config import SpecConfig
 from pdserve.request import Request
 from pdserve.spec import ngram
 
 PAUSE_MIN, PAUSE_MAX = 4, 64
-EMA_WEIGHT = 0.5
+EMA_WEIGHT = 0.5  # of a request's acceptance per verified step
+STEP_WEIGHT = 0.2  # of a step's time in the average of its kind
+PROBE_EVERY = 64  # steps between two tries while speculation does not pay
 
 
 @dataclass(slots=True)
@@ -36,6 +46,7 @@ class SpecState:
     acceptance: float = 1.0  # recent acceptance rate (exponential average)
     pause_left: int = 0  # steps to go without proposing
     next_pause: int = PAUSE_MIN
+    index: ngram.NgramIndex | None = field(default=None, repr=False)  # of the request's tokens
 
 
 def speculable(request: Request) -> bool:
@@ -47,6 +58,7 @@ def speculable(request: Request) -> bool:
         and p.frequency_penalty == 0.0
         and p.presence_penalty == 0.0
         and request.num_output_tokens >= p.min_tokens
+        and (p.seed is None or p.greedy)
     )
 
 
@@ -56,12 +68,52 @@ class Proposer:
             raise ValueError(f"invalid speculative_method={config.method!r}: choose ngram")
         self.config = config
         self.max_model_len = max_model_len
+        self.t_decode: float | None = None  # seconds of a plain decode step, recently
+        self.t_verify: float | None = None  # of a step that verified proposals
+        self.acceptance = 1.0  # over all requests, recently
+        self.mean_k = float(config.num_tokens)  # proposals per verifying request, recently
+        self.idle_steps = 0  # decode steps since speculation last ran while it did not pay
+        self.on = True  # this step may speculate (`begin_step`)
 
-    def propose(self, request: Request, num_decoding: int, budget: int) -> list[int]:
+    def pays(self) -> bool:
+        """Whether a verifying step is expected to yield tokens faster than a plain one."""
+        if self.t_decode is None or self.t_verify is None:
+            return True  # not measured yet: try it
+        return (1 + self.acceptance * self.mean_k) / self.t_verify >= 1 / self.t_decode
+
+    def begin_step(self, num_decoding: int) -> bool:
+        """Decide once per step whether requests may propose in it."""
+        self.on = False
+        if num_decoding == 0 or num_decoding > self.config.max_batch:
+            return False
+        if not self.config.adaptive or self.pays():
+            self.idle_steps = 0
+            self.on = True
+        else:
+            self.idle_steps += 1
+            if self.idle_steps >= self.probe_every():  # one try, to notice a change
+                self.idle_steps = 0
+                self.on = True
+        return self.on
+
+    def probe_every(self) -> int:
+        """Steps between two tries while speculation does not pay: tries cost <= 5%."""
+        if self.t_decode is None or self.t_verify is None:
+            return PROBE_EVERY
+        return max(PROBE_EVERY, math.ceil(20 * self.t_verify / self.t_decode))
+
+    def observe_step(self, speculated: bool, decode_only: bool, seconds: float) -> None:
+        """A step's time, by kind: one that verified proposals, or a plain decode-only one."""
+        if speculated:
+            self.t_verify = _ema(self.t_verify, seconds)
+        elif decode_only:
+            self.t_decode = _ema(self.t_decode, seconds)
+
+    def propose(self, request: Request, budget: int) -> list[int]:
         """Tokens to verify after the request's last one this step ([]: decode one as usual),
         at most `budget`."""
         c = self.config
-        if num_decoding > c.max_batch or budget <= 0 or not speculable(request):
+        if not self.on or budget <= 0 or not speculable(request):
             return []
         state = request.spec
         if state is None:
@@ -77,7 +129,10 @@ class Proposer:
         k = min(c.num_tokens, budget, room)
         if k <= 0:
             return []
-        return ngram.propose(request.all_token_ids, k, c.ngram_min, c.ngram_max)
+        if state.index is None:
+            state.index = ngram.NgramIndex(c.ngram_min, c.ngram_max)
+        state.index.update(request.all_token_ids)
+        return state.index.propose(request.all_token_ids, k)
 
     def record(self, request: Request, proposed: int, accepted: int) -> None:
         """After verification: update the request's acceptance and pause it when low."""
@@ -86,7 +141,13 @@ class Proposer:
         state.accepted += accepted
         state.steps += 1
         state.acceptance += EMA_WEIGHT * (accepted / proposed - state.acceptance)
-        if state.acceptance < self.config.min_acceptance:
+        self.acceptance += STEP_WEIGHT * (accepted / proposed - self.acceptance)
+        self.mean_k += STEP_WEIGHT * (proposed - self.mean_k)
+        if self.config.adaptive and state.acceptance < self.config.min_acceptance:
             state.pause_left = state.next_pause
             state.next_pause = min(2 * state.next_pause, PAUSE_MAX)
             state.acceptance = self.config.min_acceptance  # a fresh start after the pause
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else old + STEP_WEIGHT * (new - old)

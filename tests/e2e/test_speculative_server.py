@@ -21,7 +21,7 @@ STORY = (
 def test_disaggregated_decode_worker_speculates_losslessly(stories_path):
     want = LLM(stories_path).generate([STORY], SamplingParams(temperature=0, max_tokens=60))
     s = start_server(stories_path, "--prefill-workers", "1", "--decode-workers", "1",
-                     "--speculative-method", "ngram")  # fmt: skip
+                     "--speculative-method", "ngram", "--no-speculative-adaptive")  # fmt: skip
     try:
         body = {"prompt": STORY, "max_tokens": 60, "temperature": 0}
         r = httpx.post(s.url + CMPL, json=body, timeout=120)

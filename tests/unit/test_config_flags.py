@@ -58,6 +58,7 @@ SAMPLES = {
         speculative_ngram_max=5,
         speculative_max_batch=4,
         speculative_min_acceptance=0.5,
+        speculative_adaptive=False,
         quantization="int8",
         quantization_group_size=128,
         kv_cache_dtype="int8",

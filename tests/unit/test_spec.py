@@ -12,7 +12,7 @@ from pdserve.kv.manager import KVCacheManager
 from pdserve.request import Request
 from pdserve.runner.sampler import SamplingRow, sampling_probs
 from pdserve.sched.scheduler import Scheduler
-from pdserve.spec.ngram import propose
+from pdserve.spec.ngram import NgramIndex, propose
 from pdserve.spec.verify import verify
 from pdserve.types import RequestStatus, SamplingParams
 
@@ -33,6 +33,20 @@ BS = 4
 )
 def test_prompt_lookup(tokens, k, n_min, n_max, want):
     assert propose(tokens, k, n_min, n_max) == want
+
+
+def test_the_index_answers_as_the_search_does_as_tokens_grow():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        tokens = [rng.randint(0, 4) for _ in range(rng.randint(1, 60))]
+        n_min = rng.randint(1, 3)
+        n_max, k = rng.randint(n_min, 5), rng.randint(1, 5)
+        index = NgramIndex(n_min, n_max)
+        index.update(tokens[: rng.randint(0, len(tokens))])  # fed in two growths
+        index.update(tokens)
+        assert index.propose(tokens, k) == propose(tokens, k, n_min, n_max)
 
 
 def make_request(rid, prompt, max_tokens=16, **params):
@@ -179,3 +193,21 @@ def test_sampled_verification_follows_the_models_distribution(params):
             second[out[1]] += 1
     assert chi_square(first, probs[0]) < 24.3
     assert chi_square(second, probs[1]) < 24.3
+
+
+def test_speculation_runs_only_while_a_verifying_step_yields_tokens_faster():
+    from pdserve.spec.proposer import PROBE_EVERY
+
+    sched = make_scheduler(speculative_max_batch=4)
+    p = sched.proposer
+    assert p.begin_step(1)  # nothing measured yet: try it
+    p.observe_step(speculated=False, decode_only=True, seconds=0.010)
+    p.observe_step(speculated=True, decode_only=False, seconds=0.030)
+    p.acceptance, p.mean_k = 0.75, 4.0  # 4 tokens per verifying step in 30 ms: 133/s vs 100/s
+    assert p.pays() and p.begin_step(1)
+    p.acceptance = 0.25  # 2 tokens per 30 ms: 67/s, slower than plain decoding
+    assert not p.pays()
+    decisions = [p.begin_step(1) for _ in range(2 * PROBE_EVERY)]
+    assert decisions.count(True) == 2 and decisions[PROBE_EVERY - 1]  # one probe every 64
+    p.acceptance = 1.0
+    assert not p.begin_step(5)  # more requests decode than max_batch
