@@ -120,6 +120,21 @@ class KVCacheManager:
             self.pool.cache(blocks[i], request.block_hashes[i])
         self.req_num_cached_blocks[rid] = end
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Return the request's blocks past its first `num_tokens` tokens: those that only held
+        the KV of rejected speculative proposals (never published: they hold no committed
+        token)."""
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        keep = -(-num_tokens // self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return
+        extra = blocks[keep:]
+        del blocks[keep:]
+        del self.req_block_ids[rid][keep:]
+        self.req_num_cached_blocks[rid] = min(self.req_num_cached_blocks[rid], keep)
+        self.pool.free(reversed(extra))
+
     def free(self, request: Request) -> None:
         """Return every block of the request (tail first, so the tail is evicted first)."""
         rid = request.request_id

@@ -401,6 +401,8 @@ class Scheduler:
             self.finish(request, status)
             out.finish_reason = status.finish_reason
             out.stop_reason = request.stop_reason
+        else:  # blocks past what the next step computes held only rejected proposals
+            self.kv.trim(request, request.num_tokens)
         return out
 
     def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pdserve.config import SpecConfig
 from pdserve.request import Request
 from pdserve.spec import ngram
+from pdserve.types import KVRole
 
 PAUSE_MIN, PAUSE_MAX = 4, 64
 EMA_WEIGHT = 0.5  # of a request's acceptance per verified step
@@ -59,6 +60,7 @@ def speculable(request: Request) -> bool:
         and p.presence_penalty == 0.0
         and request.num_output_tokens >= p.min_tokens
         and (p.seed is None or p.greedy)
+        and request.kv_role != KVRole.SEND  # a prefill worker hands it off after one token
     )
 
 

@@ -97,6 +97,27 @@ def test_a_decoding_request_with_a_match_is_budgeted_its_proposals():
     assert (out[0].num_spec_proposed, out[0].num_spec_accepted) == (4, 2)
 
 
+def test_blocks_that_held_only_rejected_proposals_go_back():
+    sched = make_scheduler(num_speculative_tokens=8)
+    r = make_request("a", list(range(10, 19)) * 2)  # 18 tokens, then 10: the motif again
+    decoding(sched, r, 10)
+    plan = sched.schedule()
+    assert plan.scheduled[0].spec_tokens == list(range(11, 19))  # 18 + 1 + 8 = 27 tokens
+    assert len(sched.kv.block_ids("a")) == 7  # blocks of 4
+    sched.update(plan, [], speculated={"a": [99]})  # all rejected: 20 tokens, 5 blocks
+    assert len(sched.kv.block_ids("a")) == 5
+    assert sched.kv.num_free_blocks() == 64 - 5
+    while sched.has_unfinished:
+        plan = sched.schedule()
+        spec = {
+            s.request.request_id: s.spec_tokens[:1] + [7] for s in plan.scheduled if s.spec_tokens
+        }
+        sched.update(
+            plan, [7] * sum(s.sample and not s.spec_tokens for s in plan.scheduled), speculated=spec
+        )
+    sched.kv.pool.check_whole()
+
+
 def test_proposals_stop_at_a_stop_token_and_never_pass_max_tokens():
     sched = make_scheduler()
     r = make_request("a", REPEATING[:-1], max_tokens=4, stop_token_ids=[14])
