@@ -22,7 +22,10 @@ def stories_path() -> str:
 @pytest.fixture(scope="session")
 def stories_reference_text() -> str:
     """The greedy continuation of [1] that the model's README documents (200 new tokens)."""
-    readme = (STORIES.parent / "README.md").read_text()
+    readme = STORIES.parent / "README.md"
+    if not readme.is_file():
+        pytest.skip(f"{readme} not present")
+    readme = readme.read_text()
     return re.search(r"```\n(.*?)\n```", readme, re.S).group(1)
 
 
