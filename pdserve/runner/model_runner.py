@@ -66,14 +66,22 @@ class StepInputs:
     spec_rows: list[tuple[int, int, int]] = field(default_factory=list)
 
 
+def _one_token_rows(item) -> bool:
+    """Whether the item's tokens are laid out as one-token queries (the step's first group): a
+    decode, or a request verifying proposals (one query per position, each with its own
+    context length: the same attention as a decode)."""
+    return item.num_new_tokens == 1 or bool(item.spec_tokens)
+
+
 def _first_rows(plan: SchedulerOutput) -> list[int]:
     """Where each scheduled request's tokens start in the step's flat hidden states: the
-    one-token items (decodes) first, then the chunks, each group in plan order (`prepare`)."""
+    one-token items (decodes, verifications) first, then the chunks, each group in plan order
+    (`prepare`)."""
     rows = [0] * len(plan.scheduled)
     row = 0
     for single in (True, False):
         for i, item in enumerate(plan.scheduled):
-            if (item.num_new_tokens == 1) == single:
+            if _one_token_rows(item) == single:
                 rows[i] = row
                 row += item.num_new_tokens
     return rows
@@ -179,23 +187,32 @@ class ModelRunner:
 
     def prepare(self, plan: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepInputs:
         items = plan.scheduled
-        decodes = [i for i, s in enumerate(items) if s.num_new_tokens == 1]
-        prefills = [i for i, s in enumerate(items) if s.num_new_tokens > 1]
+        decodes = [i for i, s in enumerate(items) if _one_token_rows(s)]
+        prefills = [i for i, s in enumerate(items) if not _one_token_rows(s)]
         tokens: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         last_row = [0] * len(items)
-        meta = AttentionMetadata(slot_mapping=None, num_decodes=len(decodes))  # type: ignore[arg-type]
+        spec_rows = []
+        num_rows = sum(items[i].num_new_tokens for i in decodes)
+        meta = AttentionMetadata(slot_mapping=None, num_decodes=num_rows)  # type: ignore[arg-type]
 
         if decodes:
             ctx_lens = []
             tables = []
             for i in decodes:
-                req = items[i].request
+                item = items[i]
+                req = item.request
                 n = req.num_computed_tokens
-                tokens.append(req.all_token_ids[n])
-                ctx_lens.append(n + 1)
-                tables.append(block_tables[req.request_id])
+                if item.spec_tokens:  # its last token, then each proposal, one row each
+                    spec_rows.append((i, len(ctx_lens), len(ctx_lens) + item.num_new_tokens))
+                    tokens.append(req.all_token_ids[n])
+                    tokens.extend(item.spec_tokens)
+                else:
+                    tokens.append(req.all_token_ids[n])
+                for j in range(item.num_new_tokens):
+                    ctx_lens.append(n + 1 + j)
+                    tables.append(block_tables[req.request_id])
             ctx = np.asarray(ctx_lens)
             max_blocks = max(len(t) for t in tables)
             table = np.zeros((len(tables), max_blocks), dtype=np.int64)
@@ -212,22 +229,18 @@ class ModelRunner:
             mask = np.arange(max_ctx)[None, :] < ctx[:, None]
             meta.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
             meta.decode_lens = torch.from_numpy(ctx.astype(np.int64)).to(self.device)
-            for r, i in enumerate(decodes):
-                last_row[i] = r
+            row = 0
+            for i in decodes:
+                row += items[i].num_new_tokens
+                last_row[i] = row - 1
 
-        q = len(decodes)
-        spec_rows = []
+        q = num_rows
         for i in prefills:
             s = items[i]
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
             table = block_tables[req.request_id]
-            if s.spec_tokens:  # its last token, then the proposals to verify
-                tokens.append(req.all_token_ids[start])
-                tokens.extend(s.spec_tokens)
-                spec_rows.append((i, q, q + s.num_new_tokens))
-            else:
-                tokens.extend(req.all_token_ids[start:end])
+            tokens.extend(req.all_token_ids[start:end])
             positions.append(np.arange(start, end))
             slots.append(self._slots(table, start, end))
             chunk = PrefillChunk(q, q + s.num_new_tokens, None, None)

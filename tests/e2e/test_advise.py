@@ -29,8 +29,10 @@ def advise_json(capsys, *argv) -> dict:
 
 
 def test_a_prefill_bound_run_is_called_prefill_bound(server, tmp_path, capsys, stories_path):
+    # prompts of their own (a seed no other test uses): the shared server's prefix cache must
+    # not hold them, or the run is not prefill-bound
     run = bench(server, tmp_path, "prefill", "--num-requests", "64", "--input-len", "480",
-                "--output-len", "1", "--slo", "ttft_ms=100,tpot_ms=2000")  # fmt: skip
+                "--output-len", "1", "--seed", "4242", "--slo", "ttft_ms=100,tpot_ms=2000")  # fmt: skip
     v = advise_json(capsys, "--bench", run)
     assert v["bound"] == "prefill", v
     assert "against 100 ms" in v["summary"]
