@@ -70,10 +70,11 @@ def test_a_request_predicted_past_its_deadline_is_refused_at_once(chat_server):
     # A request with nothing queued ahead is always admitted (refusing it helps nobody).
     alone = complete(chat_server, prompt=prompt[:-1] + [8], max_tokens=2, deadline_ms=1)
     assert alone.status_code == 200, alone.text
-    # Hold requests in the queue: one long generation runs, three wait behind it.
+    # Hold requests in the queue: one long generation runs, seven wait behind it (on the fused
+    # decode step each takes a fraction of a second: enough of them keep a queue for a while).
     long_run = {"prompt": [BOS, 5], "max_tokens": 500, "ignore_eos": True}
     threads = [
-        threading.Thread(target=complete, args=(chat_server,), kwargs=long_run) for _ in range(4)
+        threading.Thread(target=complete, args=(chat_server,), kwargs=long_run) for _ in range(8)
     ]
     for t in threads:
         t.start()

@@ -35,8 +35,10 @@ def torch_kernels_server(stories_path):
     the advisor's threshold (30% of the TTFT), and it then calls the run frontend-bound."""
     from server_harness import start_server
 
+    # no prefix cache: the benchmark's random prompts may share prefixes, which would make the
+    # burst's prefill cheap and the run not prefill-bound
     s = start_server(stories_path, "--linear-backend", "torch", "--attention-backend", "sdpa",
-                     "--enforce-eager")  # fmt: skip
+                     "--enforce-eager", "--no-prefix-caching")  # fmt: skip
     yield s
     s.stop()
 
