@@ -28,26 +28,7 @@ def advise_json(capsys, *argv) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def torch_kernels_server(stories_path):
-    """stories260K on torch's kernels, layer by layer: on pdserve's native kernels the tiny
-    model prefills so fast that the HTTP and client time around a burst of 64 prompts can reach
-    the advisor's threshold (30% of the TTFT), and it then calls the run frontend-bound."""
-    from server_harness import start_server
-
-    # no prefix cache: the benchmark's random prompts may share prefixes, which would make the
-    # burst's prefill cheap and the run not prefill-bound
-    s = start_server(stories_path, "--linear-backend", "torch", "--attention-backend", "sdpa",
-                     "--enforce-eager", "--no-prefix-caching")  # fmt: skip
-    yield s
-    s.stop()
-
-
-@pytest.mark.slow  # a server of its own
-def test_a_prefill_bound_run_is_called_prefill_bound(
-    torch_kernels_server, tmp_path, capsys, stories_path
-):
-    server = torch_kernels_server
+def test_a_prefill_bound_run_is_called_prefill_bound(server, tmp_path, capsys, stories_path):
     run = bench(server, tmp_path, "prefill", "--num-requests", "64", "--input-len", "480",
                 "--output-len", "2", "--slo", "ttft_ms=100,tpot_ms=2000")  # fmt: skip
     v = advise_json(capsys, "--bench", run)
