@@ -43,7 +43,6 @@ class SpecState:
 
     proposed: int = 0  # tokens proposed over the request's life
     accepted: int = 0
-    steps: int = 0  # steps that verified proposals
     acceptance: float = 1.0  # recent acceptance rate (exponential average)
     pause_left: int = 0  # steps to go without proposing
     next_pause: int = PAUSE_MIN
@@ -141,7 +140,6 @@ class Proposer:
         state = request.spec
         state.proposed += proposed
         state.accepted += accepted
-        state.steps += 1
         state.acceptance += EMA_WEIGHT * (accepted / proposed - state.acceptance)
         self.acceptance += STEP_WEIGHT * (accepted / proposed - self.acceptance)
         self.mean_k += STEP_WEIGHT * (proposed - self.mean_k)
