@@ -38,6 +38,22 @@ _DEVICE = Check(lambda v: v in ("cpu", "cuda") or v.startswith("cuda:"), "must b
 _SIZE = Check(_is_size, "must be a size > 0, e.g. 512MiB, 2GiB, 1e9")
 
 
+def _is_tier_stack(value: tuple[str, ...]) -> bool:
+    from pdserve.kv.offload.spec import parse_tiers
+
+    try:
+        parse_tiers(value)
+        return True
+    except ValueError:
+        return False
+
+
+_TIERS = Check(
+    _is_tier_stack,
+    "must be cpu:SIZE, disk:PATH:SIZE or both in that order, e.g. cpu:4GiB disk:/var/kv:64GiB",
+)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The KV cache of one engine, resolved from `EngineArgs.cache_config()`."""
@@ -113,6 +129,20 @@ class EngineArgs:
     )
     enable_prefix_caching: bool = setting(
         True, flag="no-prefix-caching", group=KV_GROUP, help="turn prefix caching off"
+    )
+    kv_offload: tuple[str, ...] = setting(
+        (),
+        group=KV_GROUP,
+        help="an offload tier for blocks evicted from the KV cache, loaded back instead of "
+        "recomputed: cpu:SIZE (host memory, shared by a server's workers) or disk:PATH:SIZE; "
+        "repeat to stack cpu then disk (see docs/ARCHITECTURE.md, 'KV offload tiers')",
+        checks=(_TIERS,),
+    )
+    kv_offload_reload: str = setting(
+        "auto",
+        choices=("auto", "always"),
+        group=KV_GROUP,
+        help="load a tier hit back: auto when measured faster than recomputing it, or always",
     )
     max_num_batched_tokens: int = setting(
         2048,

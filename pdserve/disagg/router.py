@@ -1,7 +1,10 @@
 """Router: where a request is prefilled and where it decodes (pure logic, no torch).
 
 - Decode worker: the live one with the most free KV blocks (its last report, less what was
-  routed to it since).
+  routed to it since); a prompt whose leading blocks a decode (or colocated) worker recently
+  saw goes there instead while that worker has room for it and its prompt queue is within
+  `affinity_slack_tokens` of the shortest (its prefix cache, or the host's offload tier behind
+  it, will likely hit: a conversation's turns stay where its history is).
 - Prefill worker: the live one with the fewest queued prefill tokens; a prompt whose leading
   blocks a prefill worker has recently seen goes there instead when its queue is within
   `affinity_slack_tokens` of the shortest (its prefix cache will likely hit).
@@ -102,9 +105,9 @@ class Router:
         decoders = self._live(Role.DECODE, Role.BOTH)
         if not decoders:
             raise LookupError("no live decode worker")
-        dec = max(decoders, key=lambda w: (w.num_free_blocks - w.pending_blocks, -w.worker_id))
         hashes = self.prompt_hashes(prompt)
         num_blocks = -(-len(prompt) // self.block_size)
+        dec = self._pick_decode(decoders, hashes, num_blocks)
         dec.pending_blocks += num_blocks
         cached_on_decode = dec.matched_blocks(hashes) * self.block_size
         dec.remember(hashes, self.hash_capacity)
@@ -121,6 +124,25 @@ class Router:
         pre.pending_tokens += len(prompt)
         pre.remember(hashes, self.hash_capacity)
         return Route(dec.worker_id, pre.worker_id, "remote")
+
+    def _pick_decode(
+        self, decoders: list[WorkerLoad], hashes: list[bytes], num_blocks: int
+    ) -> WorkerLoad:
+        def free(w: WorkerLoad) -> int:
+            return w.num_free_blocks - w.pending_blocks
+
+        roomiest = max(decoders, key=lambda w: (free(w), -w.worker_id))
+        if len(decoders) == 1 or not hashes:
+            return roomiest
+        best = max(decoders, key=lambda w: (w.matched_blocks(hashes), free(w), -w.worker_id))
+        shortest = min(w.queued_prefill_tokens for w in decoders)
+        if (
+            best.matched_blocks(hashes) > roomiest.matched_blocks(hashes)
+            and free(best) >= num_blocks
+            and best.queued_prefill_tokens <= shortest + self.affinity_slack_tokens
+        ):
+            return best
+        return roomiest
 
     def _pick_prefill(self, prefillers: list[WorkerLoad], hashes: list[bytes]) -> WorkerLoad:
         def queued(w: WorkerLoad) -> int:

@@ -8,6 +8,7 @@ loop: plan, execute, update; it also records the step's phase statistics.
 from __future__ import annotations
 
 import time
+import weakref
 from concurrent.futures import Future
 
 from pdserve.config import EngineArgs, ModelConfig
@@ -17,6 +18,7 @@ from pdserve.engine.cpu_placement import PlacementMonitor
 from pdserve.engine.stats import StepStats, StepStatsRecorder
 from pdserve.kv.manager import KVCacheManager
 from pdserve.request import Request
+from pdserve.runner.kv_offload import BlockMover, build_stack
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.sched.scheduler import Scheduler
 from pdserve.structured.matcher import GrammarCompiler
@@ -71,9 +73,17 @@ class EngineCore:
             group_size=args.quantization_group_size,
             kv_cache_dtype=args.kv_cache_dtype,
         )
+        self.offload = None  # BlockMover, with --kv-offload
+        tiers = build_stack(self)
         self.kv = KVCacheManager(
-            self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            self.runner.num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            tier=tiers,
         )
+        if tiers is not None:
+            self.offload = BlockMover(self.runner.kv_caches, self.runner.num_blocks, tiers)
+            weakref.finalize(self, tiers.close)
         sched_config = args.scheduler_config(max_len)
         self.scheduler = Scheduler(sched_config, self.kv)
         self.limits = EngineLimits(
@@ -164,6 +174,8 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         outputs = self.admit_compiled()
         plan = self.scheduler.schedule()
+        if self.offload is not None:  # blocks out to the tier, and back, before any KV write
+            self.offload.sync(self.kv)
         if plan.is_empty:
             return outputs
         self.connector.begin_step(plan, self.kv.req_block_ids)
@@ -177,6 +189,8 @@ class EngineCore:
         result = self.runner.execute(plan, self.kv.req_block_ids)
         t1 = time.perf_counter()
         self.scheduler.observe_step(plan, t1 - t0)
+        if self.offload is not None and plan.num_decode_tokens == 0:
+            self.kv.tier.cost.observe_prefill(plan.num_prefill_tokens, t1 - t0)
         outputs = self.scheduler.update(
             plan, result.sampled, result.logprobs, result.prompt_logprobs, result.speculated
         )

@@ -264,6 +264,7 @@ class Worker:
             self.core.kv.num_free_blocks(),
             queued,
             self._dropped_frames(),
+            None if self.core.kv.tier is None else self.core.kv.tier.state(),
         )
 
     def _dropped_frames(self) -> dict[str, int]:

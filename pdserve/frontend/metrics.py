@@ -166,6 +166,39 @@ class ServerMetrics:
             registry=r,
         )
         self._dropped_seen: dict[tuple[str, str, str], int] = {}
+        # Offload tiers (--kv-offload): cumulative counts of each worker, as gauges
+        tier_labels = (*LABELS, "tier")
+        self.tier_gauges = {
+            name: Gauge(f"pdserve_kv_tier_{name}", doc, tier_labels, registry=r)
+            for name, doc in (
+                ("capacity_bytes", "bytes the tier holds at most"),
+                ("usage_bytes", "bytes the tier holds (a shared host tier: the whole arena)"),
+                ("hits", "blocks read back from the tier and verified"),
+                ("loaded_bytes", "bytes read back from the tier"),
+                ("load_seconds", "time spent reading from the tier, checksums included"),
+                ("stored_bytes", "bytes written to the tier"),
+                ("store_seconds", "time the store thread spent writing to the tier"),
+                ("store_errors", "writes that failed (full disk, deleted directory)"),
+                ("evictions", "entries the tier dropped or handed down for room"),
+            )
+        }
+        self.tier_misses = Gauge(
+            "pdserve_kv_tier_misses",
+            "lookups the tier could not serve, by reason: absent, corrupt (failed its checks), "
+            "raced (rewritten while read), error (I/O)",
+            (*tier_labels, "reason"),
+            registry=r,
+        )
+        self.offload_gauges = {
+            name: Gauge(f"pdserve_kv_offload_{name}", doc, LABELS, registry=r)
+            for name, doc in (
+                ("saved_blocks", "blocks evicted from the KV cache and handed to the tiers"),
+                ("dropped_blocks", "evicted blocks not saved: the store thread was behind"),
+                ("loaded_blocks", "blocks loaded back from a tier instead of recomputed"),
+                ("swap_ins", "preempted requests that resumed from a tier"),
+                ("copy_seconds", "the steps' own time copying blocks out of and into the cache"),
+            )
+        }
         self.worker_up = Gauge(
             "pdserve_worker_up", "1 while the worker process lives", LABELS, registry=r
         )
@@ -248,6 +281,35 @@ class ServerMetrics:
         self.preemptions.labels(*lab).set(st.num_preemptions)
         self.prefix_queries.labels(*lab).set(st.prefix_queries)
         self.prefix_hits.labels(*lab).set(st.prefix_hits)
+        if st.kv_offload is not None:
+            self._set_offload(lab, st.kv_offload)
+
+    def _set_offload(self, lab: tuple[str, str], off) -> None:
+        g = self.offload_gauges
+        for name, value in (
+            ("saved_blocks", off.saved_blocks),
+            ("dropped_blocks", off.dropped_blocks),
+            ("loaded_blocks", off.loaded_blocks),
+            ("swap_ins", off.swap_ins),
+            ("copy_seconds", off.copy_s),
+        ):
+            g[name].labels(*lab).set(value)
+        for t in off.tiers:
+            tl, g = (*lab, t.tier), self.tier_gauges
+            for name, value in (
+                ("capacity_bytes", t.capacity_bytes),
+                ("usage_bytes", t.used_bytes),
+                ("hits", t.hits),
+                ("loaded_bytes", t.loaded_bytes),
+                ("load_seconds", t.load_s),
+                ("stored_bytes", t.stored_bytes),
+                ("store_seconds", t.store_s),
+                ("store_errors", t.store_errors),
+                ("evictions", t.evicted),
+            ):
+                g[name].labels(*tl).set(value)
+            for reason, n in t.misses.items():
+                self.tier_misses.labels(*tl, reason).set(n)
 
     def on_finish(self, worker, out: RequestOutput) -> None:
         lab = (worker.role, str(worker.worker_id))

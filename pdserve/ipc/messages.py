@@ -85,6 +85,33 @@ class StepStatsMsg(msgspec.Struct, array_like=True):
     mbu: float | None
 
 
+class KVTierState(msgspec.Struct, array_like=True):
+    """One offload tier as a worker sees it; counts are cumulative since the worker started
+    (usage of a shared host tier is the whole arena's)."""
+
+    tier: str  # cpu | disk
+    capacity_bytes: int
+    used_bytes: int
+    hits: int  # blocks read back and verified
+    misses: dict[str, int]  # by reason: absent, corrupt, raced, error
+    loaded_bytes: int
+    load_s: float
+    stored: int
+    stored_bytes: int
+    store_s: float
+    store_errors: int
+    evicted: int
+
+
+class KVOffloadState(msgspec.Struct, array_like=True):
+    saved_blocks: int  # evicted from the pool, handed to the tiers
+    dropped_blocks: int  # evicted while the store thread was behind: not saved
+    loaded_blocks: int  # loaded back into the pool instead of recomputed
+    swap_ins: int  # preempted requests that resumed from a tier
+    copy_s: float  # the steps' own time copying blocks out of and into the pool
+    tiers: list[KVTierState] = []
+
+
 class WorkerState(msgspec.Struct, array_like=True):
     num_running: int
     num_waiting: int
@@ -97,6 +124,7 @@ class WorkerState(msgspec.Struct, array_like=True):
     # Frames dropped since the worker started, by reason: "control" (a control frame that is not
     # from the frontend) and the KV channel's reasons (see `KVReceiver`).
     dropped_frames: dict[str, int] = {}
+    kv_offload: KVOffloadState | None = None  # with --kv-offload
 
 
 class KVReservation(msgspec.Struct, array_like=True):

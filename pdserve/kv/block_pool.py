@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -41,6 +41,9 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks
         )
         self.cached: dict[bytes, KVBlock] = {}
+        # Called with (block_id, hash) when a cached block is taken for reuse: an offload
+        # tier saves its contents before the step overwrites them.
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -63,6 +66,8 @@ class BlockPool:
             _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:
                 del self.cached[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block.block_id, block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)

@@ -263,7 +263,7 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 continue
-            hits, num_hit_tokens = [], 0
+            hits, num_hit_tokens = None, 0
             # Prompt logprobs need every prompt position computed: no prefix-cache hit then.
             if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)

@@ -62,6 +62,8 @@ SAMPLES = {
         quantization="int8",
         quantization_group_size=128,
         kv_cache_dtype="int8",
+        kv_offload=("cpu:1GiB", "disk:/var/kv:8GiB"),
+        kv_offload_reload="always",
     ),
     ServerConfig: dict(
         profile="batch",
@@ -240,6 +242,8 @@ def test_enum_settings_take_their_choices_from_the_enum():
         ({"quantization": "fp8"}, "must be one of none, int8, int4"),
         ({"quantization_group_size": 48}, "must be one of 32, 64, 128"),
         ({"kv_cache_dtype": "fp8"}, "must be one of auto, int8"),
+        ({"kv_offload": ("gpu:1GiB",)}, "must be cpu:SIZE, disk:PATH:SIZE or both"),
+        ({"kv_offload_reload": "never"}, "must be one of auto, always"),
     ],
 )
 def test_engine_args_in_code_are_checked_like_flags(kwargs, match):

@@ -1,0 +1,104 @@
+"""Moves whole blocks between the model runner's KV cache tensors and the offload tiers.
+
+A block's payload is its rows in every layer, `[layers, 2 (K, V), block_size * kv_heads * row]`
+of the cache's dtype, as bytes. `sync` runs after scheduling and before the forward: first the
+blocks the pool evicted are copied out (one `index_select` per layer, then one transpose copy
+into per-block payloads; the store thread does the rest), then the blocks fetched from a tier are
+copied into their new pool blocks (one `index_copy_` per layer). Nothing else of the offload
+runs on the step's path.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+
+from pdserve.disagg.connector.base import layout_of
+from pdserve.ipc.channel import SHM_DIR_ENV
+from pdserve.kv.manager import KVCacheManager, KVTransfers
+from pdserve.kv.offload.disk import DiskTier
+from pdserve.kv.offload.entry import fingerprint, weights_digest
+from pdserve.kv.offload.host import HostTier
+from pdserve.kv.offload.spec import parse_tiers
+from pdserve.kv.offload.stack import TierStack
+
+
+def tier_fingerprint(core, weights: str = "") -> bytes:
+    """Everything that decides a block's bytes apart from its tokens (see `kv/offload/entry`)."""
+    a = core.args
+    layout = layout_of(core)
+    return fingerprint(
+        "pdserve-kv-tier-1",
+        repr(sorted((k, getattr(layout, k)) for k in layout.__struct_fields__)),
+        f"row={core.runner.kv_row_width}",
+        f"dtype={core.runner.dtype}",
+        f"quantization={a.quantization}/{a.quantization_group_size}",
+        weights,
+    )
+
+
+def build_stack(core) -> TierStack | None:
+    """The engine's tier stack from `--kv-offload`, or None."""
+    specs = parse_tiers(core.args.kv_offload)
+    if not specs:
+        return None
+    payload = core.runner.kv_bytes_per_block
+    tiers = []
+    for spec in specs:
+        if spec.kind == "cpu":
+            fp = tier_fingerprint(core)
+            shared = os.environ.get(SHM_DIR_ENV)  # a server's workers share one arena
+            path = os.path.join(shared, f"kvtier-{fp.hex()[:24]}") if shared else None
+            tiers.append(HostTier(spec.capacity_bytes, payload, fp, path))
+        else:
+            os.makedirs(spec.path, mode=0o700, exist_ok=True)
+            fp = tier_fingerprint(core, weights_digest(core.args.model, spec.path))
+            tiers.append(DiskTier(spec.path, spec.capacity_bytes, payload, fp))
+    return TierStack(
+        tiers,
+        payload,
+        core.runner.block_size,
+        always_reload=core.args.kv_offload_reload == "always",
+    )
+
+
+class BlockMover:
+    def __init__(self, kv_caches: list[torch.Tensor], num_blocks: int, stack: TierStack) -> None:
+        # per layer [2, num_blocks, block elements]: a block is one contiguous run per K and V
+        self.layers = [c.view(2, num_blocks, -1) for c in kv_caches]
+        self.stack = stack
+        self.dtype = kv_caches[0].dtype
+        self.device = kv_caches[0].device
+
+    def sync(self, kv: KVCacheManager) -> None:
+        transfers: KVTransfers = kv.take_transfers()
+        if not transfers:
+            return
+        t0 = time.perf_counter()
+        save = [(b, h) for b, h in transfers.save if not self.stack.holds(h)]
+        if save:
+            ids = torch.tensor([b for b, _ in save], device=self.device)
+            self.stack.save([h for _, h in save], self._gather(ids))
+        if transfers.load:
+            ids = torch.tensor([b for b, _ in transfers.load], device=self.device)
+            self._scatter(ids, [p for _, p in transfers.load])
+        self.stack.copy_s += time.perf_counter() - t0
+
+    def _gather(self, ids: torch.Tensor) -> np.ndarray:
+        """[n, payload bytes]: each row one block's payload."""
+        n, width = ids.numel(), self.layers[0].shape[-1]
+        stage = torch.empty((len(self.layers), 2, n, width), dtype=self.dtype, device=self.device)
+        for layer, out in zip(self.layers, stage):
+            torch.index_select(layer, 1, ids, out=out)
+        blocks = stage.permute(2, 0, 1, 3).contiguous().cpu()  # [n, layers, 2, width]
+        return blocks.view(torch.uint8).view(n, -1).numpy()
+
+    def _scatter(self, ids: torch.Tensor, payloads: list[np.ndarray]) -> None:
+        n, width = ids.numel(), self.layers[0].shape[-1]
+        data = torch.from_numpy(np.stack(payloads)).view(self.dtype)
+        blocks = data.view(n, len(self.layers), 2, width).to(self.device)
+        for i, layer in enumerate(self.layers):
+            layer.index_copy_(1, ids, blocks[:, i].transpose(0, 1))
