@@ -214,8 +214,13 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(rid, None)
         self.req_block_ids.pop(rid, None)
         self.req_num_cached_blocks.pop(rid, None)
-        if blocks:
-            self.pool.free(reversed(blocks))
+        if not blocks:
+            return
+        if self._loads:  # ended in the schedule that loaded it: unpublished blocks need no bytes
+            for b in blocks:
+                if b.block_hash is None:
+                    self._loads.pop(b.block_id, None)
+        self.pool.free(reversed(blocks))
 
     def detach(self, request: Request) -> list[KVBlock]:
         """Take a request's blocks out of its hands without freeing them (the caller frees them

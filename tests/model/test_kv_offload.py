@@ -165,3 +165,20 @@ def test_another_model_never_reads_these_entries(stories_path, tiny_models, tmp_
     run_one_by_one(other, sessions(512)[6:])
     assert finish(other).kv.stats.tier_hits == 0
     assert len([d for d in (tmp_path / "kv").iterdir() if d.is_dir()]) == 2
+
+
+def test_tiers_keep_to_their_size(stories_path, reference, tmp_path):
+    """A host tier of 3 blocks and a disk tier of 12: both full after the run, never over, and
+    the answers unchanged (what fell off the end is recomputed)."""
+    probe = LLM(stories_path, **SMALL_POOL)
+    block = probe.engine.core.runner.kv_bytes_per_block
+    spec = (f"cpu:{3 * block}", f"disk:{tmp_path / 'kv'}:{12 * (block + 64)}")
+    llm = LLM(stories_path, **SMALL_POOL, kv_offload=spec, **ALWAYS)
+    prompts = sessions(llm.engine.core.model_config.vocab_size)
+    assert run_one_by_one(llm, prompts) == reference
+    core = finish(llm)
+    cpu, disk = core.kv.tier.tiers
+    assert cpu.num_slots == 3 and cpu.used_bytes() == cpu.capacity_bytes
+    (layout_dir,) = [d for d in (tmp_path / "kv").iterdir() if d.is_dir()]
+    assert len(list(layout_dir.glob("*.kv"))) == 12 == disk.used_bytes() // disk.entry_bytes
+    assert disk.stats.evicted > 0 and cpu.stats.evicted > 0

@@ -331,6 +331,30 @@ def test_manager_a_block_loaded_then_evicted_in_one_schedule_is_neither_saved_no
     stack.close()
 
 
+def test_manager_unpublished_loaded_blocks_of_a_request_that_ends_get_no_bytes():
+    """Blocks reserved for remote KV (publish=False) that a tier would fill: if the request ends
+    in the same schedule, the load is dropped with them."""
+    stack = TierStack([HostTier(64 * 8, 8, FP)], 8, BS, always_reload=True)
+    kv = KVCacheManager(8, BS, tier=stack)
+    a = request("a", list(range(9)))
+    match, n = kv.get_computed_blocks(a)
+    kv.allocate_slots(a, a.num_tokens, match)
+    stack.save(a.block_hashes[:2], np.stack([payload(i, 8) for i in range(2)]))
+    stack.flush()
+    kv.free(a)
+    kv.pool.cached.clear()  # forget the pool's copies: only the tier has them
+    for b in kv.pool.blocks:
+        b.block_hash = None
+    r = request("r", list(range(9)))
+    match, n = kv.get_computed_blocks(r)
+    assert n == 8 and len(match.loads) == 2
+    assert kv.allocate_slots(r, r.num_tokens - n, match, publish=False)
+    kv.free(r)
+    assert kv.take_transfers().load == []
+    kv.pool.check_whole()
+    stack.close()
+
+
 def test_manager_refuses_a_tier_without_prefix_caching():
     stack = TierStack([HostTier(64 * 8, 8, FP)], 8, BS)
     with pytest.raises(ValueError, match="prefix caching"):

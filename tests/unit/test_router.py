@@ -48,6 +48,24 @@ def test_prefix_affinity_within_slack():
     assert r.route(prompt + [998] * 64).prefill_id == other  # half cached on decode: remote
 
 
+def test_a_conversation_stays_with_the_colocated_worker_that_holds_its_history():
+    r = Router(BS, affinity_slack_tokens=100)
+    r.add_worker(0, "both", 50)
+    r.add_worker(1, "both", 80)
+    history = list(range(64))  # 16 blocks
+    assert r.route(history).decode_id == 1  # the roomiest
+    r.report(0, 60, 0)
+    r.report(1, 40, 0)  # now the other has more room, but worker 1 saw the history
+    assert r.route(history + [7] * 8).decode_id == 1
+    assert r.route(list(range(500, 540))).decode_id == 0  # a new conversation: the roomiest
+    r.report(1, 40, 300)  # its prompt queue beyond the slack: room and load win
+    r.report(0, 60, 0)
+    assert r.route(history + [8] * 8).decode_id == 0
+    r.report(0, 60, 0)
+    r.report(1, 10, 0)  # no room for the prompt (18 blocks): the roomiest again
+    assert r.route(history + [9] * 8).decode_id == 0
+
+
 def test_short_and_cached_prompts_stay_on_the_decode_worker():
     r = make_router(min_prompt_tokens=16)
     assert r.route(list(range(8))).reason == "short_prompt"
