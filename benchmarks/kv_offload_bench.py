@@ -128,7 +128,10 @@ def tier_figures(metrics: str) -> dict:
            "loaded_blocks": total("pdserve_kv_offload_loaded_blocks"),
            "saved_blocks": total("pdserve_kv_offload_saved_blocks"),
            "dropped_blocks": total("pdserve_kv_offload_dropped_blocks"),
-           "swap_ins": total("pdserve_kv_offload_swap_ins"), "tiers": {}}  # fmt: skip
+           "swap_ins": total("pdserve_kv_offload_swap_ins"),
+           "prefetched_blocks": total("pdserve_kv_offload_prefetched_blocks"),
+           "read_on_step_blocks": total("pdserve_kv_offload_read_on_step_blocks"),
+           "tiers": {}}  # fmt: skip
     for tier in ("cpu", "disk"):
         loaded = total("pdserve_kv_tier_loaded_bytes", tier)
         seconds = total("pdserve_kv_tier_load_seconds", tier)
@@ -213,7 +216,9 @@ def print_report(result: dict) -> None:
         print(
             f"  {c['name']}: " + "; ".join(parts) + f"; loaded {off['loaded_blocks']:.0f} blocks, "
             f"saved {off['saved_blocks']:.0f} (dropped {off['dropped_blocks']:.0f}), "
-            f"steps' copy time {off['copy_s']:.2f} s, swap-ins {off['swap_ins']:.0f}"
+            f"steps' copy time {off['copy_s']:.2f} s, swap-ins {off['swap_ins']:.0f}; "
+            f"read ahead {off.get('prefetched_blocks', 0):.0f} blocks, read while scheduling "
+            f"{off.get('read_on_step_blocks', 0):.0f}"
         )
     m = result["machine_io"]
     disk = m["disk_read_gbps"]

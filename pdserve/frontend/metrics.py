@@ -196,6 +196,8 @@ class ServerMetrics:
                 ("dropped_blocks", "evicted blocks not saved: the store thread was behind"),
                 ("loaded_blocks", "blocks loaded back from a tier instead of recomputed"),
                 ("swap_ins", "preempted requests that resumed from a tier"),
+                ("prefetched_blocks", "blocks read ahead while their request waited"),
+                ("read_on_step_blocks", "blocks read while scheduling (not prefetched in time)"),
                 ("copy_seconds", "the steps' own time copying blocks out of and into the cache"),
             )
         }
@@ -291,6 +293,8 @@ class ServerMetrics:
             ("dropped_blocks", off.dropped_blocks),
             ("loaded_blocks", off.loaded_blocks),
             ("swap_ins", off.swap_ins),
+            ("prefetched_blocks", off.prefetched_blocks),
+            ("read_on_step_blocks", off.read_on_step),
             ("copy_seconds", off.copy_s),
         ):
             g[name].labels(*lab).set(value)

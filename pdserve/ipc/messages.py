@@ -109,6 +109,8 @@ class KVOffloadState(msgspec.Struct, array_like=True):
     loaded_blocks: int  # loaded back into the pool instead of recomputed
     swap_ins: int  # preempted requests that resumed from a tier
     copy_s: float  # the steps' own time copying blocks out of and into the pool
+    prefetched_blocks: int  # read ahead while their request waited
+    read_on_step: int  # read while scheduling their request (not prefetched in time)
     tiers: list[KVTierState] = []
 
 

@@ -126,6 +126,19 @@ class KVCacheManager:
                 match.keys = rest[: len(match.loads)]
         return match, match.num_blocks * self.block_size
 
+    def prefetch(self, request: Request) -> None:
+        """A request arrived: have the tier read the blocks of its prompt that the pool lacks,
+        while it waits to be scheduled."""
+        if self.tier is None or request.sampling_params.prompt_logprobs is not None:
+            return
+        self._update_hashes(request, request.num_tokens - 1)
+        hashes = request.block_hashes
+        n = 0
+        while n < len(hashes) and self.pool.lookup(hashes[n]) is not None:
+            n += 1
+        if n < len(hashes) and self.tier.cost.worth_loading(len(hashes) - n):
+            self.tier.prefetch(hashes[n:])
+
     def allocate_slots(
         self,
         request: Request,

@@ -108,6 +108,7 @@ class Scheduler:
             raise ValueError(f"invalid request_id={request.request_id!r}: already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.kv.prefetch(request)  # an offload tier reads its history while it waits
 
     def finish_requests(
         self, request_ids: Iterable[str], status: RequestStatus, release_kv: bool = True

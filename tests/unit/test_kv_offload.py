@@ -85,32 +85,33 @@ def test_host_tier_is_shared_through_its_file_and_refuses_another_layout(tmp_pat
 
 
 def test_host_tier_reads_racing_writes_never_return_a_wrong_block(tmp_path):
+    """A writer churns 6 keys through 3 slots while another mapping reads them: whatever the
+    interleaving, a read returns the right payload or a miss (the hit count depends on the
+    thread schedule, so it is not asserted; the right-or-miss property is)."""
+    big = 1 << 18  # long copies: reads and rewrites of one slot overlap
     path = str(tmp_path / "arena")
-    writer, reader = (
-        HostTier(2 * PAYLOAD, PAYLOAD, FP, path),
-        HostTier(2 * PAYLOAD, PAYLOAD, FP, path),
-    )
+    writer, reader = HostTier(3 * big, big, FP, path), HostTier(3 * big, big, FP, path)
+    payloads = [payload(i, big) for i in range(6)]
     stop = threading.Event()
 
     def churn():
         i = 0
         while not stop.is_set():
-            put(writer, i % 6)
+            p = payloads[i % 6]
+            writer.put(key(i % 6), p, checksum(p))
             i += 1
 
     t = threading.Thread(target=churn)
     t.start()
     try:
-        seen = 0
-        for n in range(3000):
+        for n in range(2000):
             got = reader.get(key(n % 6))
-            if got is not None:
-                assert np.array_equal(got, payload(n % 6))
-                seen += 1
+            assert got is None or np.array_equal(got, payloads[n % 6])
     finally:
         stop.set()
         t.join()
-    assert seen > 0
+    writer.put(key(0), payloads[0], checksum(payloads[0]))  # quiet again: a plain hit
+    assert np.array_equal(reader.get(key(0)), payloads[0])
     writer.close()
     reader.close()
 
@@ -206,6 +207,22 @@ def test_stack_stores_in_the_background_hands_down_and_fetches_from_either_tier(
     assert disk.stats.hits == 2
     state = stack.state()
     assert [t.tier for t in state.tiers] == ["cpu", "disk"] and state.tiers[1].hits == 2
+    stack.close()
+
+
+def test_stack_prefetch_reads_ahead_so_admission_reads_nothing(tmp_path):
+    disk = DiskTier(str(tmp_path), 10 * PAYLOAD, PAYLOAD, FP)
+    for i in range(3):
+        put(disk, i)
+    stack = TierStack([disk], PAYLOAD, 16)
+    stack.prefetch([key(0), key(1), key(2), key(7), key(1)])  # up to the first miss
+    assert stack.flush()
+    assert stack.prefetched_blocks == 3 and disk.stats.hits == 3
+    got = stack.fetch([key(0), key(1), key(2)])
+    assert all(np.array_equal(g, payload(i)) for i, g in enumerate(got))
+    assert stack.read_on_step == 0 and disk.stats.hits == 3  # nothing read on the step
+    stack.taken([key(0), key(1), key(2)])
+    assert not stack.ready
     stack.close()
 
 
@@ -352,6 +369,26 @@ def test_manager_unpublished_loaded_blocks_of_a_request_that_ends_get_no_bytes()
     kv.free(r)
     assert kv.take_transfers().load == []
     kv.pool.check_whole()
+    stack.close()
+
+
+def test_manager_prefetches_what_the_pool_lacks_when_a_request_arrives():
+    stack = TierStack([HostTier(64 * 8, 8, FP)], 8, BS, always_reload=True)
+    kv = KVCacheManager(8, BS, tier=stack)
+    r = request("r", list(range(13)))  # 3 full blocks
+    kv._update_hashes(r, 12)
+    stack.save(r.block_hashes[1:], np.stack([payload(i, 8) for i in (1, 2)]))
+    stack.flush()
+    kv.prefetch(r)  # block 0 is nowhere: nothing to read ahead
+    stack.flush()
+    assert stack.prefetched_blocks == 0
+    stack.save(r.block_hashes[:1], payload(0, 8)[None])
+    stack.flush()
+    kv.prefetch(r)
+    stack.flush()
+    assert stack.prefetched_blocks == 3
+    match, n = kv.get_computed_blocks(r)
+    assert n == 12 and stack.read_on_step == 0
     stack.close()
 
 

@@ -5,9 +5,13 @@
   the next one (the last one drops it). The step never waits on a write: while more than
   `max_pending_bytes` wait to be written, new saves are dropped (counted).
 - `leading(keys)`: how many of a prompt's next blocks some tier holds (an index lookup).
-- `fetch(keys)`: reads those blocks back, verified, from the first tier that has each (or from
-  the save queue, for blocks not written yet), stopping at the first miss. Fetched payloads stay in a small ready set until a request takes them, so
-  a request that waits for room does not read them twice.
+- `prefetch(keys)`: a request has just arrived; the background thread reads the blocks of its
+  prompt that the tiers hold (ahead of the stores it has queued) while the request waits for
+  its turn, so its admission finds them read and verified.
+- `fetch(keys)`: the blocks a request is admitted with, verified, from the ready set (what
+  prefetches read), the save queue (blocks not written yet) or the first tier that has each,
+  stopping at the first miss. Fetched payloads stay in the ready set until a request takes
+  them, so a request that waits for room does not read them twice.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class TierStack:
         self.max_ready = max(1, max_ready_bytes // payload_bytes)
         self.max_pending = max(1, max_pending_bytes // payload_bytes)
         self._queue: deque[tuple[bytes, np.ndarray]] = deque()
+        self._prefetches: deque[list[bytes]] = deque()  # served before the stores
+        self._ready_lock = threading.Lock()  # `ready` is filled by the thread too
         self._in_flight: dict[bytes, np.ndarray] = {}  # queued or being stored: served from here
         self._cv = threading.Condition()
         self._busy = False
@@ -52,6 +58,8 @@ class TierStack:
         self.saved_blocks = 0  # handed to the store thread
         self.dropped_blocks = 0  # not saved: the store thread was behind
         self.loaded_blocks = 0  # loaded back into the pool
+        self.prefetched_blocks = 0  # read ahead by the thread
+        self.read_on_step = 0  # read while scheduling (not prefetched in time)
         self.swap_ins = 0  # preempted requests that resumed from a tier
         self.copy_s = 0.0  # the step's own time copying blocks out of and into the pool
         self._thread = threading.Thread(target=self._run, name="kv-offload", daemon=True)
@@ -59,7 +67,7 @@ class TierStack:
 
     # ---- the step's side -----------------------------------------------------------------
     def holds(self, key: bytes) -> bool:
-        if key in self.ready or key in self._in_flight:
+        if key in self.ready or key in self._in_flight:  # (a dict lookup: safe unlocked)
             return True
         for tier, lock in zip(self.tiers, self._locks):
             with lock:
@@ -79,7 +87,8 @@ class TierStack:
         out: list[np.ndarray] = []
         read_bytes, t0 = 0, time.perf_counter()
         for key in keys:
-            payload = self.ready.get(key)
+            with self._ready_lock:
+                payload = self.ready.get(key)
             if payload is None:
                 payload = self._in_flight.get(key)
             if payload is None:
@@ -87,13 +96,25 @@ class TierStack:
                 if payload is None:
                     break
                 read_bytes += payload.nbytes
-                self.ready[key] = payload
-                while len(self.ready) > self.max_ready:
-                    self.ready.popitem(last=False)
+                self.read_on_step += 1
+                self._keep(key, payload)
             out.append(payload)
         if read_bytes:
             self.cost.observe_load(read_bytes, time.perf_counter() - t0)
         return out
+
+    def _keep(self, key: bytes, payload: np.ndarray) -> None:
+        with self._ready_lock:
+            self.ready[key] = payload
+            while len(self.ready) > self.max_ready:
+                self.ready.popitem(last=False)
+
+    def prefetch(self, keys: list[bytes]) -> None:
+        """Read these blocks ahead, in the background, up to the first one no tier holds."""
+        if keys:
+            with self._cv:
+                self._prefetches.append(keys)
+                self._cv.notify()
 
     def _read(self, key: bytes) -> np.ndarray | None:
         for tier, lock in zip(self.tiers, self._locks):
@@ -107,8 +128,9 @@ class TierStack:
 
     def taken(self, keys: list[bytes]) -> None:
         """A request took these fetched blocks (they are in the pool now)."""
-        for key in keys:
-            self.ready.pop(key, None)
+        with self._ready_lock:
+            for key in keys:
+                self.ready.pop(key, None)
         self.loaded_blocks += len(keys)
 
     def save(self, keys: list[bytes], payloads: np.ndarray) -> None:
@@ -148,14 +170,14 @@ class TierStack:
             )
         return KVOffloadState(
             self.saved_blocks, self.dropped_blocks, self.loaded_blocks, self.swap_ins,
-            self.copy_s, tiers,
+            self.copy_s, self.prefetched_blocks, self.read_on_step, tiers,
         )  # fmt: skip
 
     # ---- the store thread ----------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._closed:
+                while not self._queue and not self._prefetches and not self._closed:
                     self._busy = False
                     self._cv.notify_all()
                     self._cv.wait()
@@ -163,12 +185,33 @@ class TierStack:
                     self._busy = False
                     self._cv.notify_all()
                     return
-                key, payload = self._queue.popleft()
                 self._busy = True
+                if self._prefetches:
+                    job = self._prefetches.popleft()
+                else:
+                    key, payload = self._queue.popleft()
+                    job = None
+            if job is not None:
+                self._read_ahead(job)
+                continue
             self._store(key, payload)
             with self._cv:
                 if self._in_flight.get(key) is payload:
                     del self._in_flight[key]
+
+    def _read_ahead(self, keys: list[bytes]) -> None:
+        read_bytes, t0 = 0, time.perf_counter()
+        for key in keys:
+            if key in self.ready or key in self._in_flight:
+                continue
+            payload = self._read(key)
+            if payload is None:
+                break
+            read_bytes += payload.nbytes
+            self.prefetched_blocks += 1
+            self._keep(key, payload)
+        if read_bytes:
+            self.cost.observe_load(read_bytes, time.perf_counter() - t0)
 
     def _store(self, key: bytes, payload: np.ndarray) -> None:
         moving = [(key, payload, checksum(payload))]
@@ -182,10 +225,11 @@ class TierStack:
                 break
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until every queued save is written; False if that took over `timeout`."""
+        """Wait until every queued save and prefetch is done; False if that took over
+        `timeout`."""
         deadline = time.monotonic() + timeout
         with self._cv:
-            while self._queue or self._busy:
+            while self._queue or self._prefetches or self._busy:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
