@@ -7,7 +7,7 @@ that holds decides; thresholds are the constants below):
 2. KV-bound: requests were preempted, or a worker's KV cache was nearly full
    (`KV_FULL`) while requests waited.
 3. frontend-bound: the frontend process used most of a core (`FRONTEND_CPU`) while the workers
-   were not busy (`BUSY_HIGH`), or (a bench run) TTFT missed its target and much of the client's
+   were not busy (`BUSY_HIGH`), or (a bench run) TTFT missed its target and most of the client's
    TTFT was spent outside the engine (`OUTSIDE_SHARE`).
 4. Both SLOs met (TTFT p90 and TPOT p90 within their targets): under-loaded when the workers
    are busy less than `BUSY_LOW` of the time, else balanced (at capacity from `AT_CAPACITY`,
@@ -28,7 +28,9 @@ from pdserve.planner.observation import Observation
 
 KV_FULL = 0.95  # KV usage at which waiting requests are waiting for blocks
 FRONTEND_CPU = 0.85  # cores of CPU time per second: the frontend's event loop is saturated
-OUTSIDE_SHARE = 0.3  # of the client's TTFT p50 spent outside the engine
+# of the client's TTFT p50 spent outside the engine: at half, the frontend and the network are
+# the larger part of what a client waits for, and faster prefill would no longer help most
+OUTSIDE_SHARE = 0.5
 BUSY_LOW = 0.35  # workers busy less than this with the SLOs met: under-loaded
 BUSY_HIGH = 0.7  # workers busy less than this are not what limits the deployment
 AT_CAPACITY = 0.9  # workers busy this much have no room for more load

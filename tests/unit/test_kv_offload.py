@@ -174,6 +174,29 @@ def test_disk_tier_survives_its_directory_being_deleted_and_a_full_disk(tmp_path
     assert [n for n in os.listdir(tier.dir) if ".tmp-" in n] == []  # no half-written file
 
 
+def test_disk_tiers_sharing_a_directory_keep_it_to_its_size(tmp_path, monkeypatch):
+    import pdserve.kv.offload.disk as disk_mod
+
+    monkeypatch.setattr(disk_mod, "RESCAN_EVERY", 1)  # learn the other's files at every store
+    cap = 4 * (PAYLOAD + 100)
+    a = DiskTier(str(tmp_path), cap, PAYLOAD, FP)
+    b = DiskTier(str(tmp_path), cap, PAYLOAD, FP)
+    for i in range(3):
+        put(a, i)
+    fresh = os.path.join(a.dir, "00.kv.tmp-1-live")  # another worker's store in progress
+    stale = os.path.join(a.dir, "01.kv.tmp-2-dead")
+    for path in (fresh, stale):
+        with open(path, "wb") as f:
+            f.write(b"x")
+    os.utime(stale, ns=(0, 0))
+    for i in range(3, 6):
+        put(b, i)
+    kept = sorted(n for n in os.listdir(a.dir) if n.endswith(".kv"))
+    assert len(kept) == 4 and key(0).hex() + ".kv" not in kept  # the oldest went
+    assert os.path.exists(fresh) and not os.path.exists(stale)
+    assert np.array_equal(a.get(key(5)), payload(5))  # b's entry, read by a
+
+
 def test_weights_digest_follows_the_weights_and_is_memoized(tmp_path):
     model = tmp_path / "m"
     model.mkdir()

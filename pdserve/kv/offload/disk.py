@@ -8,10 +8,11 @@ store fail (counted) or a read miss (counted); the directory is made again on th
 
 The fingerprint includes a digest of the model's weights (`entry.weights_digest`), so a server
 restarted with the same model and settings finds its entries again and any other model or
-setting finds an empty directory of its own. Eviction is least recently used per worker: each
-worker indexes the files it finds at start (oldest modification first), those it stores and
-those other workers stored that it reads; a hit refreshes the file's mtime, and a worker over
-its share of `SIZE` removes the oldest files it knows.
+setting finds an empty directory of its own. Eviction is least recently used over the
+directory: a hit refreshes the file's mtime, each worker indexes the files it finds (at start
+and again every 256 stores, oldest mtime first) with those it stores and reads meanwhile, and
+removes the oldest while the directory holds more than `SIZE` (workers sharing a directory may
+overshoot it by what they stored since their last scan).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from pdserve.kv.offload.entry import checksum
 MAGIC = b"PDKVDSK1"
 _HEADER = struct.Struct("<8s16s16sQI")  # magic, fingerprint, key, payload length, CRC-32
 SUFFIX = ".kv"
+RESCAN_EVERY = 256  # stores between two scans of the directory (what other workers stored)
+STALE_TMP_NS = 60 * 10**9  # a temporary file this old is a store that died
 
 
 class DiskTier:
@@ -50,6 +53,7 @@ class DiskTier:
         self.dir = os.path.join(root, fp.hex())
         self.stats = TierStats()
         self.index: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
+        self._stores_since_scan = 0
         self._make_dir()
         self._scan()
 
@@ -58,19 +62,26 @@ class DiskTier:
         os.chmod(self.dir, 0o700)  # whatever the umask; PATH itself stays as the user made it
 
     def _scan(self) -> None:
-        """Index the entries already here (a restart), oldest first."""
+        """Index the entries here (a restart, or what other workers stored), least recently
+        used first: every hit refreshes its file's mtime."""
         found = []
-        with os.scandir(self.dir) as it:
-            for e in it:
-                if e.name.endswith(SUFFIX) and len(e.name) == 32 + len(SUFFIX):
+        stale = time.time_ns() - STALE_TMP_NS
+        try:
+            with os.scandir(self.dir) as it:
+                for e in it:
                     try:
-                        found.append((e.stat().st_mtime_ns, bytes.fromhex(e.name[:32])))
+                        if e.name.endswith(SUFFIX) and len(e.name) == 32 + len(SUFFIX):
+                            found.append((e.stat().st_mtime_ns, bytes.fromhex(e.name[:32])))
+                        elif ".tmp-" in e.name and e.stat().st_mtime_ns < stale:
+                            _remove(e.path)  # a store that never finished
                     except (OSError, ValueError):
                         continue
-                elif ".tmp-" in e.name:  # a store that never finished
-                    _remove(e.path)
+        except OSError:
+            return
+        self.index.clear()
         for _, key in sorted(found):
             self.index[key] = None
+        self._stores_since_scan = 0
 
     def _path(self, key: bytes) -> str:
         return os.path.join(self.dir, key.hex() + SUFFIX)
@@ -152,6 +163,9 @@ class DiskTier:
         self.index[key] = None
         self.stats.stored += 1
         self.stats.stored_bytes += payload.nbytes
+        self._stores_since_scan += 1
+        if self._stores_since_scan >= RESCAN_EVERY:
+            self._scan()
         while self.used_bytes() > self.capacity_bytes:
             old, _ = self.index.popitem(last=False)
             _remove(self._path(old))
