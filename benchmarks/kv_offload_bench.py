@@ -15,7 +15,9 @@ arrivals at `--rate`. A turn whose prompt repeats at least two blocks of an earl
 Each configuration is `pdserve serve --model M --cpus 0-1 --num-kv-blocks B` (random
 llama-125m by default, float32, colocated, chunked prefill), plus `--kv-offload cpu:SIZE`, or
 `--kv-offload disk:DIR:SIZE` (DIR on the machine's disk, not tmpfs), with
-`--kv-offload-reload auto` (the measured rule). Reported per configuration: prompt tokens
+`--kv-offload-reload auto` (the measured rule); `dp2` and `dp2+cpu` are two colocated workers
+of one core each (`--decode-workers 2`), each with a pool of B blocks, without and with one
+host tier shared by both. Reported per configuration: prompt tokens
 computed (prompt tokens - cached tokens, from each response's usage) and their share of the
 no-tier run, TTFT p50/p90 of returning turns and of all turns, goodput under `--slo`, and the
 tiers' own figures from /metrics: hits, bytes and seconds loaded (load bandwidth, checksums
@@ -270,14 +272,20 @@ def main() -> None:
     print(workload, flush=True)
 
     disk_root = a.disk_dir or tempfile.mkdtemp(prefix="pdserve-kvbench-", dir="/var/tmp")
-    base = ["--model", a.model, "--cpus", "0-1", "--num-kv-blocks", str(a.num_kv_blocks)]
+    base = ["--model", a.model, "--num-kv-blocks", str(a.num_kv_blocks)]
+    one = ["--cpus", "0-1"]  # one colocated worker on both cores
+    two = ["--decode-workers", "2", "--decode-cpus", "0", "--decode-cpus", "1"]
     configs = {
-        "none": [],
+        "none": one,
         # no tier, and a pool that holds every prompt of the run: what a cache can save at most
-        "unlimited-pool": ["--num-kv-blocks", str(a.unlimited_blocks)],
-        "cpu": ["--kv-offload", f"cpu:{a.cpu_tier}"],
-        "disk": ["--kv-offload", f"disk:{disk_root}/kv:{a.disk_tier}"],
-        "cpu+disk": ["--kv-offload", "cpu:64MiB", "--kv-offload", f"disk:{disk_root}/kv:{a.disk_tier}"],
+        "unlimited-pool": [*one, "--num-kv-blocks", str(a.unlimited_blocks)],
+        "cpu": [*one, "--kv-offload", f"cpu:{a.cpu_tier}"],
+        "disk": [*one, "--kv-offload", f"disk:{disk_root}/kv:{a.disk_tier}"],
+        "cpu+disk": [*one, "--kv-offload", "cpu:64MiB", "--kv-offload", f"disk:{disk_root}/kv:{a.disk_tier}"],
+        # two colocated workers of one core each, each with a pool of the size above, behind
+        # the router; with the tier, one host arena for both
+        "dp2": two,
+        "dp2+cpu": [*two, "--kv-offload", f"cpu:{a.cpu_tier}"],
     }  # fmt: skip
     machine_io = {"memcpy_gbps": memcpy_gbps(), "disk_read_gbps": disk_read_gbps(disk_root)}
     results = []
