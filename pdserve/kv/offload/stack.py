@@ -110,10 +110,11 @@ class TierStack:
                 self.ready.popitem(last=False)
 
     def prefetch(self, keys: list[bytes]) -> None:
-        """Read these blocks ahead, in the background, up to the first one no tier holds."""
+        """Read these blocks ahead, in the background, up to the first one no tier holds (and
+        no more than half the ready set, so a long history does not push out its own start)."""
         if keys:
             with self._cv:
-                self._prefetches.append(keys)
+                self._prefetches.append(keys[: max(1, self.max_ready // 2)])
                 self._cv.notify()
 
     def _read(self, key: bytes) -> np.ndarray | None:
