@@ -4,8 +4,9 @@ A block's payload is its rows in every layer, `[layers, 2 (K, V), block_size * k
 of the cache's dtype, as bytes. `sync` runs after scheduling and before the forward: first the
 blocks the pool evicted are copied out (one `index_select` per layer, then one transpose copy
 into per-block payloads; the store thread does the rest), then the blocks fetched from a tier are
-copied into their new pool blocks (one `index_copy_` per layer). Nothing else of the offload
-runs on the step's path.
+copied into their new pool blocks (one `index_copy_` per layer). The only other offload work
+on the step's path is reading the blocks that the tier's thread did not read ahead in time
+(while scheduling, `KVCacheManager.get_computed_blocks`).
 """
 
 from __future__ import annotations
