@@ -249,6 +249,28 @@ def test_stack_prefetch_reads_ahead_so_admission_reads_nothing(tmp_path):
     stack.close()
 
 
+def test_stack_the_step_and_the_read_ahead_never_read_a_block_twice(tmp_path):
+    import time as _time
+
+    class SlowDisk(DiskTier):
+        def get(self, k):
+            _time.sleep(0.005)  # a cold disk: both readers are on the same blocks at once
+            return super().get(k)
+
+    disk = SlowDisk(str(tmp_path), 40 * PAYLOAD, PAYLOAD, FP)
+    for i in range(20):
+        put(disk, i)
+    stack = TierStack([disk], PAYLOAD, 16)
+    keys = [key(i) for i in range(20)]
+    stack.prefetch(keys)
+    got = stack.fetch(keys)  # races the read-ahead through the same keys
+    assert stack.flush()
+    assert all(np.array_equal(g, payload(i)) for i, g in enumerate(got))
+    assert disk.stats.hits == 20  # each block read once, by one of the two
+    assert stack.prefetched_blocks + stack.read_on_step == 20
+    stack.close()
+
+
 def test_stack_drops_saves_rather_than_wait_for_a_slow_store(tmp_path):
     gate = threading.Event()
 

@@ -92,12 +92,12 @@ class TierStack:
             if payload is None:
                 payload = self._in_flight.get(key)
             if payload is None:
-                payload = self._read(key)
+                payload, fresh = self._read(key)
                 if payload is None:
                     break
-                read_bytes += payload.nbytes
-                self.read_on_step += 1
-                self._keep(key, payload)
+                if fresh:
+                    read_bytes += payload.nbytes
+                    self.read_on_step += 1
             out.append(payload)
         if read_bytes:
             self.cost.observe_load(read_bytes, time.perf_counter() - t0)
@@ -117,15 +117,23 @@ class TierStack:
                 self._prefetches.append(keys[: max(1, self.max_ready // 2)])
                 self._cv.notify()
 
-    def _read(self, key: bytes) -> np.ndarray | None:
+    def _read(self, key: bytes) -> tuple[np.ndarray | None, bool]:
+        """The block from the first tier that has it, kept in the ready set; and whether this
+        call read it (False: the other reader, step or read-ahead, had just read it: the tier
+        lock orders the two, and the ready set is checked under it)."""
         for tier, lock in zip(self.tiers, self._locks):
             with lock:
+                with self._ready_lock:
+                    payload = self.ready.get(key)
+                if payload is not None:
+                    return payload, False
                 if not tier.contains(key):
                     continue
                 payload = tier.get(key)
-            if payload is not None:
-                return payload
-        return None
+                if payload is not None:
+                    self._keep(key, payload)
+                    return payload, True
+        return None, False
 
     def taken(self, keys: list[bytes]) -> None:
         """A request took these fetched blocks (they are in the pool now)."""
@@ -205,12 +213,12 @@ class TierStack:
         for key in keys:
             if key in self.ready or key in self._in_flight:
                 continue
-            payload = self._read(key)
+            payload, fresh = self._read(key)
             if payload is None:
                 break
-            read_bytes += payload.nbytes
-            self.prefetched_blocks += 1
-            self._keep(key, payload)
+            if fresh:
+                read_bytes += payload.nbytes
+                self.prefetched_blocks += 1
         if read_bytes:
             self.cost.observe_load(read_bytes, time.perf_counter() - t0)
 
