@@ -166,22 +166,23 @@ class ServerMetrics:
             registry=r,
         )
         self._dropped_seen: dict[tuple[str, str, str], int] = {}
-        # Offload tiers (--kv-offload): cumulative counts of each worker, as gauges
+        # Offload tiers (--kv-offload): cumulative counts of each worker, as gauges named after
+        # the `KVTierState` / `KVOffloadState` field they show
         tier_labels = (*LABELS, "tier")
         self.tier_gauges = {
-            name: Gauge(f"pdserve_kv_tier_{name}", doc, tier_labels, registry=r)
-            for name, doc in (
-                ("capacity_bytes", "bytes the tier holds at most"),
-                ("usage_bytes", "bytes the tier holds (a shared host tier: the whole arena)"),
-                ("hits", "blocks read back from the tier and verified"),
-                ("loaded_bytes", "bytes read back from the tier"),
-                ("load_seconds", "time spent reading from the tier, checksums included"),
-                ("stored_bytes", "bytes written to the tier"),
-                ("store_seconds", "time the store thread spent writing to the tier"),
-                ("store_errors", "writes that failed (full disk, deleted directory)"),
-                ("evictions", "entries the tier dropped or handed down for room"),
+            field: Gauge(f"pdserve_kv_tier_{name}", doc, tier_labels, registry=r)
+            for field, name, doc in (
+                ("capacity_bytes", "capacity_bytes", "bytes the tier holds at most"),
+                ("used_bytes", "usage_bytes", "bytes the tier holds (a shared host tier: all of it)"),
+                ("hits", "hits", "blocks read back from the tier and verified"),
+                ("loaded_bytes", "loaded_bytes", "bytes read back from the tier"),
+                ("load_s", "load_seconds", "time spent reading from the tier, checksums included"),
+                ("stored_bytes", "stored_bytes", "bytes written to the tier"),
+                ("store_s", "store_seconds", "time the store thread spent writing to the tier"),
+                ("store_errors", "store_errors", "writes that failed (full disk, deleted directory)"),
+                ("evicted", "evictions", "entries the tier dropped or handed down for room"),
             )
-        }
+        }  # fmt: skip
         self.tier_misses = Gauge(
             "pdserve_kv_tier_misses",
             "lookups the tier could not serve, by reason: absent, corrupt (failed its checks), "
@@ -190,17 +191,17 @@ class ServerMetrics:
             registry=r,
         )
         self.offload_gauges = {
-            name: Gauge(f"pdserve_kv_offload_{name}", doc, LABELS, registry=r)
-            for name, doc in (
-                ("saved_blocks", "blocks evicted from the KV cache and handed to the tiers"),
-                ("dropped_blocks", "evicted blocks not saved: the store thread was behind"),
-                ("loaded_blocks", "blocks loaded back from a tier instead of recomputed"),
-                ("swap_ins", "preempted requests that resumed from a tier"),
-                ("prefetched_blocks", "blocks read ahead while their request waited"),
-                ("read_on_step_blocks", "blocks read while scheduling (not prefetched in time)"),
-                ("copy_seconds", "the steps' own time copying blocks out of and into the cache"),
+            field: Gauge(f"pdserve_kv_offload_{name}", doc, LABELS, registry=r)
+            for field, name, doc in (
+                ("saved_blocks", "saved_blocks", "blocks evicted from the cache, handed to the tiers"),
+                ("dropped_blocks", "dropped_blocks", "evicted blocks not saved: the store thread was behind"),
+                ("loaded_blocks", "loaded_blocks", "blocks loaded back from a tier instead of recomputed"),
+                ("swap_ins", "swap_ins", "preempted requests that resumed from a tier"),
+                ("prefetched_blocks", "prefetched_blocks", "blocks read ahead while their request waited"),
+                ("read_on_step", "read_on_step_blocks", "blocks read while scheduling (not prefetched in time)"),
+                ("copy_s", "copy_seconds", "the steps' own time copying blocks out of and into the cache"),
             )
-        }
+        }  # fmt: skip
         self.worker_up = Gauge(
             "pdserve_worker_up", "1 while the worker process lives", LABELS, registry=r
         )
@@ -287,31 +288,12 @@ class ServerMetrics:
             self._set_offload(lab, st.kv_offload)
 
     def _set_offload(self, lab: tuple[str, str], off) -> None:
-        g = self.offload_gauges
-        for name, value in (
-            ("saved_blocks", off.saved_blocks),
-            ("dropped_blocks", off.dropped_blocks),
-            ("loaded_blocks", off.loaded_blocks),
-            ("swap_ins", off.swap_ins),
-            ("prefetched_blocks", off.prefetched_blocks),
-            ("read_on_step_blocks", off.read_on_step),
-            ("copy_seconds", off.copy_s),
-        ):
-            g[name].labels(*lab).set(value)
+        for field, gauge in self.offload_gauges.items():
+            gauge.labels(*lab).set(getattr(off, field))
         for t in off.tiers:
-            tl, g = (*lab, t.tier), self.tier_gauges
-            for name, value in (
-                ("capacity_bytes", t.capacity_bytes),
-                ("usage_bytes", t.used_bytes),
-                ("hits", t.hits),
-                ("loaded_bytes", t.loaded_bytes),
-                ("load_seconds", t.load_s),
-                ("stored_bytes", t.stored_bytes),
-                ("store_seconds", t.store_s),
-                ("store_errors", t.store_errors),
-                ("evictions", t.evicted),
-            ):
-                g[name].labels(*tl).set(value)
+            tl = (*lab, t.tier)
+            for field, gauge in self.tier_gauges.items():
+                gauge.labels(*tl).set(getattr(t, field))
             for reason, n in t.misses.items():
                 self.tier_misses.labels(*tl, reason).set(n)
 

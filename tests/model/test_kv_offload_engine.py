@@ -73,7 +73,6 @@ def test_returning_turns_load_their_history_and_answer_the_same(
     if kind == "cpu+disk":
         cpu, disk = st.tiers
         assert cpu.evicted > 0 and disk.stored > 0 and disk.hits > 0
-    assert sum(sum(t.misses.values()) for t in st.tiers) >= 0
 
 
 def test_auto_reload_recomputes_when_that_is_faster(stories_path, reference):
@@ -151,8 +150,8 @@ def test_the_disk_tier_is_found_after_a_restart_and_corrupt_entries_are_recomput
     assert run_one_by_one(broken, prompts[6:]) == reference[6:]
     core = finish(broken)
     (disk,) = core.kv.tier.state().tiers
-    assert disk.misses.get("corrupt", 0) > 0
-    assert disk.hits == 0 or core.kv.stats.tier_hits < 6 * 80
+    assert disk.misses.get("corrupt", 0) > 0  # the truncated and altered files
+    assert core.kv.stats.tier_hits == 0  # every history was broken: all recomputed
 
 
 def test_another_model_never_reads_these_entries(stories_path, tiny_models, tmp_path):
