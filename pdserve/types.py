@@ -230,6 +230,16 @@ class RequestMetrics:
     num_preemptions: int = 0
     num_spec_proposed: int = 0  # speculative decoding: tokens proposed for verification
     num_spec_accepted: int = 0  # and accepted by the model
+    num_spec_steps: int = 0  # steps that verified proposals for it
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return self.num_spec_accepted / self.num_spec_proposed if self.num_spec_proposed else None
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Proposals accepted per verifying step (the step emits one token more)."""
+        return self.num_spec_accepted / self.num_spec_steps if self.num_spec_steps else None
 
     @property
     def queue_time(self) -> float | None:
@@ -279,6 +289,14 @@ class Logprob:
 
 
 @dataclass(slots=True)
+class Verdict:
+    """What a request that verified proposed tokens emits in a step (`pdserve.spec.verify`)."""
+
+    tokens: list[int]  # the accepted proposals, then one token of the model's
+    logprobs: list[Logprob] | None = None  # one per token, where the request asked for them
+
+
+@dataclass(slots=True)
 class EngineCoreOutput:
     """What one engine step produced for one (child) request: token ids, no text. Plain data, so
     it crosses the worker/frontend boundary as it is (msgspec encodes dataclasses)."""
@@ -294,6 +312,7 @@ class EngineCoreOutput:
     num_preemptions: int = 0
     num_spec_proposed: int = 0  # speculative decoding, so far: tokens proposed, and accepted
     num_spec_accepted: int = 0
+    num_spec_steps: int = 0  # and the steps that verified them
     error: str | None = None  # why an aborted request was ended by the engine
     error_code: str | None = None  # "queue_timeout", or the `InvalidRequest` code (a 400)
     error_param: str | None = None  # the request parameter at fault, when there is one

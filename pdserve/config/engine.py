@@ -84,13 +84,16 @@ class SchedulerConfig:
 class SpecConfig:
     """Speculative decoding (`pdserve.spec`): what proposes tokens and when it may."""
 
-    method: str  # "ngram": the continuation of the latest earlier match of the recent tokens
+    method: str  # "ngram": the continuation of the latest earlier match of the recent tokens;
+    # "draft": what a draft model (`draft_model`, or the model's own first `draft_layers`) says
     num_tokens: int  # at most this many proposed per request and step
     ngram_min: int  # the shortest suffix that may match
     ngram_max: int  # the longest suffix tried first
     max_batch: int  # no proposals while more requests than this decode (compute-bound steps)
     min_acceptance: float  # a request whose recent acceptance falls below this pauses proposing
     adaptive: bool  # False: propose whenever there is a match (within max_batch), for tests
+    draft_model: str | None = None  # draft: a model folder with the same tokenizer
+    draft_layers: int | None = None  # draft: the target's first N layers (self-speculation)
 
 
 @dataclass(frozen=True)
@@ -202,11 +205,25 @@ class EngineArgs:
     )
     speculative_method: str = setting(
         "none",
-        choices=("none", "ngram"),
+        choices=("none", "ngram", "draft"),
         group=SPEC_GROUP,
         help="propose tokens for decoding requests and verify them in one forward, losslessly "
         "(greedy: identical tokens; sampled: the same distribution): ngram looks the recent "
-        "tokens up in the prompt and output so far (see pdserve/spec)",
+        "tokens up in the prompt and output so far; draft asks a smaller model "
+        "(--draft-model or --draft-layers; see pdserve/spec)",
+    )
+    draft_model: str | None = setting(
+        None,
+        group=SPEC_GROUP,
+        help="draft: a model folder with the target's tokenizer and vocabulary; it runs with its "
+        "own paged KV cache (the same blocks, counted in the KV memory)",
+    )
+    draft_layers: int | None = setting(
+        None,
+        group=SPEC_GROUP,
+        help="draft: the target model's own first N layers and output head (self-speculation: "
+        "works for any model and shares the target's KV cache of those layers)",
+        checks=(at_least(1),),
     )
     num_speculative_tokens: int = setting(
         4, group=SPEC_GROUP, help="tokens proposed per request and step", checks=(at_least(1),)
@@ -308,6 +325,19 @@ class EngineArgs:
         )
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's settings; raises ValueError for settings that contradict each other
+        (checked here, when an engine starts, not field by field)."""
+        drafts = (self.draft_model is not None) + (self.draft_layers is not None)
+        if self.speculative_method == "draft" and drafts != 1:
+            raise ValueError(
+                "invalid speculative_method='draft': give exactly one of draft_model and "
+                "draft_layers"
+            )
+        if self.speculative_method != "draft" and drafts:
+            raise ValueError(
+                f"invalid speculative_method={self.speculative_method!r}: draft_model and "
+                "draft_layers need speculative_method='draft'"
+            )
         return SchedulerConfig(
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,
@@ -328,5 +358,7 @@ class EngineArgs:
                 max_batch=self.speculative_max_batch,
                 min_acceptance=self.speculative_min_acceptance,
                 adaptive=self.speculative_adaptive,
+                draft_model=self.draft_model,
+                draft_layers=self.draft_layers,
             ),
         )

@@ -58,6 +58,7 @@ class EngineCore:
         self.placement = place_threads(args)
         self.connector = connector or KVConnector()  # colocated: no KV crosses workers
         cache_config = args.cache_config()
+        sched_config = args.scheduler_config(max_len)  # checked before the weights load
         self.runner = ModelRunner(
             self.model_config,
             cache_config,
@@ -72,6 +73,8 @@ class EngineCore:
             quantization=args.quantization,
             group_size=args.quantization_group_size,
             kv_cache_dtype=args.kv_cache_dtype,
+            draft_model=args.draft_model,
+            draft_layers=args.draft_layers,
         )
         self.offload = None  # BlockMover, with --kv-offload
         tiers = build_stack(self)
@@ -84,7 +87,6 @@ class EngineCore:
         if tiers is not None:
             self.offload = BlockMover(self.runner.kv_caches, self.runner.num_blocks, tiers)
             weakref.finalize(self, tiers.close)
-        sched_config = args.scheduler_config(max_len)
         self.scheduler = Scheduler(sched_config, self.kv)
         self.limits = EngineLimits(
             max_len,

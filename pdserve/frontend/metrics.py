@@ -94,6 +94,20 @@ class ServerMetrics:
             LABELS,
             registry=r,
         )
+        self.spec_steps = Counter(
+            "pdserve_spec_verify_steps",
+            "speculative decoding: request-steps that verified proposals (accepted / this: the "
+            "mean accepted length; counted as requests end)",
+            LABELS,
+            registry=r,
+        )
+        self.spec_acceptance = Histogram(
+            "pdserve_spec_acceptance_rate",
+            "speculative decoding: accepted / proposed tokens of each request that speculated",
+            LABELS,
+            buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+            registry=r,
+        )
         self.preemptions = Gauge(
             "pdserve_preemptions", "preemptions since the worker started", LABELS, registry=r
         )
@@ -309,6 +323,8 @@ class ServerMetrics:
             if m.num_spec_proposed:
                 self.spec_proposed.labels(*lab).inc(m.num_spec_proposed)
                 self.spec_accepted.labels(*lab).inc(m.num_spec_accepted)
+                self.spec_steps.labels(*lab).inc(m.num_spec_steps)
+                self.spec_acceptance.labels(*lab).observe(m.spec_acceptance_rate)
             for hist, value in (
                 (self.ttft, m.ttft),
                 (self.tpot, m.tpot),

@@ -24,9 +24,13 @@ def timings(m: RequestMetrics | None) -> dict | None:
         "e2e_ms": _ms(m.e2e),
         "tpot_ms": _ms(m.tpot),
         "cached_prompt_tokens": m.num_cached_tokens,
-        # speculative decoding (0 without it): tokens proposed, and accepted by the model
+        # speculative decoding (0 / null without it): tokens proposed, accepted by the model,
+        # the steps that verified them, accepted / proposed, and accepted per verifying step
         "spec_proposed_tokens": m.num_spec_proposed,
         "spec_accepted_tokens": m.num_spec_accepted,
+        "spec_steps": m.num_spec_steps,
+        "spec_acceptance_rate": m.spec_acceptance_rate,
+        "spec_mean_accepted_length": m.spec_mean_accepted_length,
     }
 
 

@@ -181,6 +181,7 @@ class OutputProcessor:
         m.num_preemptions = out.num_preemptions
         if out.num_spec_proposed:
             m.num_spec_proposed, m.num_spec_accepted = out.num_spec_proposed, out.num_spec_accepted
+            m.num_spec_steps = out.num_spec_steps
         if out.new_token_ids:
             if m.first_token_time is None:
                 m.first_token_time = now

@@ -23,9 +23,10 @@ from pdserve.models.quant_linear import quantized_bytes_per_param
 from pdserve.request import Request
 from pdserve.runner.sampler import Sampler, SamplingRow, TokenMasks, is_greedy
 from pdserve.sched.scheduler import SchedulerOutput
+from pdserve.spec.draft import Drafter
 from pdserve.spec.verify import verify
-from pdserve.structured.matcher import fill_bitmask
-from pdserve.types import Logprob
+from pdserve.structured.matcher import fill_bitmask, fill_proposal_bitmask
+from pdserve.types import Logprob, Verdict
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,8 @@ class StepResult:
     # Requests that asked for prompt logprobs: (index of the first prompt token scored, one
     # Logprob per token scored this step).
     prompt_logprobs: dict[str, tuple[int, list[Logprob]]]
-    # Requests that verified proposed tokens: the tokens each emits (`pdserve.spec.verify`).
-    speculated: dict[str, list[int]] = field(default_factory=dict)
+    # Requests that verified proposed tokens: what each emits (`pdserve.spec.verify`).
+    speculated: dict[str, Verdict] = field(default_factory=dict)
 
 
 # Prompt logprobs are computed this many positions at a time (a [rows, vocab] logits block each).
@@ -103,9 +104,13 @@ class ModelRunner:
         quantization: str = "none",
         group_size: int = 32,
         kv_cache_dtype: str = "auto",
+        draft_model: str | None = None,
+        draft_layers: int | None = None,
     ) -> None:
         """`kv_cache_factory(shape, dtype)` allocates the KV cache (default: zeros in this
-        process; disaggregated decode workers put it in shared memory)."""
+        process; disaggregated decode workers put it in shared memory). `draft_model` (a
+        folder) or `draft_layers` (the first N of this model) make the draft that proposes
+        tokens for speculative decoding (`pdserve.spec.draft`)."""
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -129,6 +134,10 @@ class ModelRunner:
         # int8: each row carries its scale (models/kv_quant.py); auto: the model's dtype
         self.kv_dtype = torch.int8 if kv_cache_dtype == "int8" else self.dtype
         self.kv_row_width = row_width(model_config.head_dim, self.kv_dtype == torch.int8)
+        self.draft_model = self.draft_config = None
+        if draft_model is not None:
+            self.draft_config = self._load_draft(draft_model, linear_backend, attention_backend,
+                                                 enforce_eager, quantization, group_size)  # fmt: skip
         self.num_blocks = self._num_blocks(cache_config)
         shape = (
             model_config.num_layers,
@@ -143,6 +152,38 @@ class ModelRunner:
             cache = kv_cache_factory(shape, self.kv_dtype)
         self.kv_caches = list(cache.unbind(0))  # per layer [2, num_slots, Hkv, D]
         self.sampler = Sampler(model_config.eos_token_ids)
+        self.drafter = self._drafter(draft_layers)
+
+    def _load_draft(self, path, linear_backend, attention_backend, enforce_eager, quant, group):
+        cfg = ModelConfig.from_pretrained(path)
+        if cfg.vocab_size != self.config.vocab_size:
+            raise ValueError(
+                f"invalid draft_model={path!r}: its vocabulary has {cfg.vocab_size} tokens, the "
+                f"model's {self.config.vocab_size} (the draft must share the tokenizer)"
+            )
+        self.draft_model = load_model(cfg, self.device, self.dtype, self.max_model_len,
+                                      linear_backend, make_backend(attention_backend, self.device,
+                                      self.dtype), quant, group)  # fmt: skip
+        self.draft_model.fused_decode = None
+        if not enforce_eager:
+            self.draft_model.fused_decode, _ = FusedDecode.build(self.draft_model)
+        return cfg
+
+    def _drafter(self, draft_layers: int | None) -> Drafter | None:
+        if draft_layers is not None:
+            if not 0 < draft_layers < self.config.num_layers:
+                raise ValueError(
+                    f"invalid draft_layers={draft_layers}: the model has "
+                    f"{self.config.num_layers} layers (choose 1 to {self.config.num_layers - 1})"
+                )
+            return Drafter(self.model, self.kv_caches[:draft_layers], self.layout, shared=True)
+        if self.draft_model is None:
+            return None
+        c = self.draft_config
+        shape = (c.num_layers, 2, self.num_blocks * self.block_size, c.num_kv_heads,
+                 row_width(c.head_dim, self.kv_dtype == torch.int8))  # fmt: skip
+        caches = torch.zeros(shape, dtype=self.kv_dtype, device=self.device).unbind(0)
+        return Drafter(self.draft_model, list(caches), self.layout, shared=False)
 
     def _use_fused_decode(self, enforce_eager: bool) -> None:
         if enforce_eager:
@@ -156,18 +197,23 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        c = self.config
-        elem = self.kv_dtype.itemsize
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * self.kv_row_width * elem
+        """Bytes of the model's KV one block holds (what offload tiers and transfers move)."""
+        return self._block_bytes(self.config)
+
+    def _block_bytes(self, c: ModelConfig | None) -> int:
+        if c is None:
+            return 0
+        width = row_width(c.head_dim, self.kv_dtype == torch.int8)
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * width * self.kv_dtype.itemsize
 
     def _num_blocks(self, cache: CacheConfig) -> int:
         if cache.num_blocks is not None:
             return cache.num_blocks
-        n = cache.memory_bytes // self.kv_bytes_per_block
+        per_block = self.kv_bytes_per_block + self._block_bytes(self.draft_config)  # + the draft's
+        n = cache.memory_bytes // per_block
         if n < 1:
             raise ValueError(
-                f"invalid kv_cache_memory={cache.memory_bytes}: one block needs "
-                f"{self.kv_bytes_per_block} bytes"
+                f"invalid kv_cache_memory={cache.memory_bytes}: one block needs {per_block} bytes"
             )
         # More blocks than every sequence of max length could use is wasted memory.
         return int(n)
@@ -185,35 +231,22 @@ class ModelRunner:
         pos = np.arange(start, end)
         return np.asarray(block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs
 
-    def prepare(self, plan: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepInputs:
-        items = plan.scheduled
-        decodes = [i for i, s in enumerate(items) if _one_token_rows(s)]
-        prefills = [i for i, s in enumerate(items) if not _one_token_rows(s)]
+    def layout(
+        self, runs: list[tuple[list[int], int, list[int]]]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """The inputs of a forward over `runs`, each (block table, position of its first token,
+        tokens): (input ids, positions, attention metadata, the row of each run's last token).
+        One-token runs become decode rows (first, in order), longer runs prefill chunks."""
+        singles = [r for r, run in enumerate(runs) if len(run[2]) == 1]
+        chunks = [r for r, run in enumerate(runs) if len(run[2]) > 1]
         tokens: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
-        last_row = [0] * len(items)
-        spec_rows = []
-        num_rows = sum(items[i].num_new_tokens for i in decodes)
-        meta = AttentionMetadata(slot_mapping=None, num_decodes=num_rows)  # type: ignore[arg-type]
-
-        if decodes:
-            ctx_lens = []
-            tables = []
-            for i in decodes:
-                item = items[i]
-                req = item.request
-                n = req.num_computed_tokens
-                if item.spec_tokens:  # its last token, then each proposal, one row each
-                    spec_rows.append((i, len(ctx_lens), len(ctx_lens) + item.num_new_tokens))
-                    tokens.append(req.all_token_ids[n])
-                    tokens.extend(item.spec_tokens)
-                else:
-                    tokens.append(req.all_token_ids[n])
-                for j in range(item.num_new_tokens):
-                    ctx_lens.append(n + 1 + j)
-                    tables.append(block_tables[req.request_id])
-            ctx = np.asarray(ctx_lens)
+        last_row = [0] * len(runs)
+        meta = AttentionMetadata(slot_mapping=None, num_decodes=len(singles))  # type: ignore[arg-type]
+        if singles:
+            ctx = np.asarray([runs[r][1] + 1 for r in singles])
+            tables = [runs[r][0] for r in singles]
             max_blocks = max(len(t) for t in tables)
             table = np.zeros((len(tables), max_blocks), dtype=np.int64)
             for r, t in enumerate(tables):
@@ -229,39 +262,64 @@ class ModelRunner:
             mask = np.arange(max_ctx)[None, :] < ctx[:, None]
             meta.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
             meta.decode_lens = torch.from_numpy(ctx.astype(np.int64)).to(self.device)
-            row = 0
-            for i in decodes:
-                row += items[i].num_new_tokens
-                last_row[i] = row - 1
-
-        q = num_rows
-        for i in prefills:
-            s = items[i]
-            req = s.request
-            start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
-            table = block_tables[req.request_id]
-            tokens.extend(req.all_token_ids[start:end])
+            for row, r in enumerate(singles):
+                tokens.extend(runs[r][2])
+                last_row[r] = row
+        q = len(singles)
+        for r in chunks:
+            table, start, run_tokens = runs[r]
+            end = start + len(run_tokens)
+            tokens.extend(run_tokens)
             positions.append(np.arange(start, end))
             slots.append(self._slots(table, start, end))
-            chunk = PrefillChunk(q, q + s.num_new_tokens, None, None)
+            chunk = PrefillChunk(q, q + len(run_tokens), None, None)
             if start > 0:
                 chunk.ctx_slots = torch.from_numpy(self._slots(table, 0, end)).to(self.device)
                 mask = np.arange(end)[None, :] <= np.arange(start, end)[:, None]
                 chunk.mask = torch.from_numpy(mask).to(self.device)
             meta.prefills.append(chunk)
-            q += s.num_new_tokens
-            last_row[i] = q - 1
-
+            q += len(run_tokens)
+            last_row[r] = q - 1
         meta.slot_mapping = torch.from_numpy(np.concatenate(slots)).to(self.device)
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return (
+            input_ids,
+            torch.from_numpy(np.concatenate(positions)).to(self.device),
+            meta,
+            last_row,
+        )
+
+    def prepare(self, plan: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepInputs:
+        """The step's inputs. A request verifying proposals is laid out as one one-token query
+        per position (its last token, then each proposal), each with its own context length."""
+        items = plan.scheduled
+        runs: list[tuple[list[int], int, list[int]]] = []
+        last_run = [0] * len(items)
+        spec_runs = []
+        for i, item in enumerate(items):
+            req = item.request
+            n = req.num_computed_tokens
+            table = block_tables[req.request_id]
+            if item.spec_tokens:
+                first = len(runs)
+                runs.append((table, n, [req.all_token_ids[n]]))
+                runs.extend((table, n + 1 + j, [t]) for j, t in enumerate(item.spec_tokens))
+                spec_runs.append((i, first, len(runs)))
+            else:
+                runs.append((table, n, req.all_token_ids[n : n + item.num_new_tokens]))
+            last_run[i] = len(runs) - 1
+        input_ids, positions, meta, last_row = self.layout(runs)
         sample_idx = [i for i, s in enumerate(items) if s.sample and not s.spec_tokens]
         rows = [self._sampling_row(items[i].request) for i in sample_idx]
         return StepInputs(
-            input_ids=torch.tensor(tokens, dtype=torch.long, device=self.device),
-            positions=torch.from_numpy(np.concatenate(positions)).to(self.device),
+            input_ids=input_ids,
+            positions=positions,
             meta=meta,
-            logits_indices=torch.tensor([last_row[i] for i in sample_idx], device=self.device),
+            logits_indices=torch.tensor(
+                [last_row[last_run[i]] for i in sample_idx], device=self.device
+            ),
             rows=rows,
-            spec_rows=spec_rows,
+            spec_rows=[(i, last_row[a], last_row[b - 1] + 1) for i, a, b in spec_runs],
         )
 
     def _sampling_row(self, req: Request) -> SamplingRow:
@@ -280,21 +338,41 @@ class ModelRunner:
 
     # ---- the step ------------------------------------------------------------------------
     def execute(self, plan: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepResult:
+        draft_probs = self._draft(plan, block_tables)
         inputs = self.prepare(plan, block_tables)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         prompt_logprobs = self._prompt_logprobs(plan, hidden)
-        speculated = self._verify(plan, inputs.spec_rows, hidden)
+        speculated = self._verify(plan, inputs.spec_rows, hidden, draft_probs)
         if not inputs.rows:
             return StepResult([], [], prompt_logprobs, speculated)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         out = self.sampler(logits, inputs.rows, self._grammar_masks(plan))
         return StepResult(out.token_ids, out.logprobs, prompt_logprobs, speculated)
 
+    def _draft(
+        self, plan: SchedulerOutput, block_tables: dict[str, list[int]]
+    ) -> dict[str, torch.Tensor | None]:
+        """The draft model's proposals for the step's speculating requests (in place of the
+        scheduler's placeholders), and its distributions where verification needs them."""
+        if self.drafter is None:
+            return {}
+        items = [s for s in plan.scheduled if s.spec_tokens]
+        if not items:
+            return {}
+        rows = [self._sampling_row(s.request) for s in items]
+        probs = self.drafter.propose(items, block_tables, rows)
+        return {s.request.request_id: q for s, q in zip(items, probs)}
+
     def _verify(
-        self, plan: SchedulerOutput, spec_rows: list[tuple[int, int, int]], hidden: torch.Tensor
-    ) -> dict[str, list[int]]:
-        """The tokens each request with proposals emits, from the logits of all its positions
-        (one logits product for all such requests)."""
+        self,
+        plan: SchedulerOutput,
+        spec_rows: list[tuple[int, int, int]],
+        hidden: torch.Tensor,
+        draft_probs: dict[str, torch.Tensor | None],
+    ) -> dict[str, Verdict]:
+        """What each request with proposals emits, from the logits of all its positions (one
+        logits product for all such requests), each position constrained as plain sampling
+        would be with the proposals before it as output."""
         if not spec_rows:
             return {}
         index = torch.cat([torch.arange(a, b) for _, a, b in spec_rows]).to(hidden.device)
@@ -302,9 +380,18 @@ class ModelRunner:
         out, row = {}, 0
         for i, a, b in spec_rows:
             item = plan.scheduled[i]
-            sampling = self._sampling_row(item.request)
-            out[item.request.request_id] = verify(logits[row : row + b - a], item.spec_tokens,
-                                                  sampling)  # fmt: skip
+            req, proposals = item.request, item.spec_tokens
+            base = self._sampling_row(req)
+            outputs = list(req.output_token_ids)
+            rows = [SamplingRow(base.params, base.generator, req.prompt_token_ids,
+                                outputs + proposals[:j]) for j in range(b - a)]  # fmt: skip
+            masks = None
+            if req.grammar_state is not None:
+                bitmask = torch.empty(b - a, (self.config.vocab_size + 31) // 32, dtype=torch.int32)
+                fill_proposal_bitmask(req.grammar_state, outputs, proposals, bitmask)
+                masks = TokenMasks(list(range(b - a)), bitmask)
+            out[req.request_id] = verify(self.sampler, logits[row : row + b - a], proposals,
+                                         rows, masks, draft_probs.get(req.request_id))  # fmt: skip
             row += b - a
         return out
 

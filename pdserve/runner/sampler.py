@@ -79,16 +79,34 @@ class Sampler:
                 f"logits of shape {tuple(logits.shape)} do not match {len(rows)} sampling rows"
             )
         raw_logits = logits.float()  # no copy for float32; never modified in place
+        random_rows = [i for i, r in enumerate(rows) if not is_greedy(r.params)]
+        logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        logits = self.constrain(raw_logits, rows, masks)
+        if logits is raw_logits and not (random_rows or logprob_rows):
+            return SamplerOutput(raw_logits.argmax(dim=-1).tolist(), [None] * len(rows))
+
+        if len(random_rows) == len(rows):
+            token_ids = _sample_random(logits, rows)  # [num_rows]
+        else:
+            token_ids = logits.argmax(dim=-1)  # [num_rows]
+            if random_rows:
+                index = torch.tensor(random_rows, device=logits.device)
+                sampled = _sample_random(logits[index], [rows[i] for i in random_rows])
+                token_ids[index] = sampled
+        return collect(raw_logits, token_ids, rows, logprob_rows)
+
+    def constrain(
+        self,
+        raw_logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        masks: TokenMasks | None = None,
+    ) -> torch.Tensor:
+        """`raw_logits` ([num_rows, vocab] float32) after each row's penalties, min_tokens ban
+        and grammar mask: `raw_logits` itself where no row has any, else a new tensor."""
         penalty_rows = [i for i, r in enumerate(rows) if has_penalties(r.params)]
         # A grammar decides when its row may end: min_tokens does not ban EOS there.
         constrained = set(masks.row_indices) if masks is not None else set()
-        banned_rows, banned_ids = self._min_tokens_bans(rows, logits.shape[1], constrained)
-        random_rows = [i for i, r in enumerate(rows) if not is_greedy(r.params)]
-        logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-
-        if not (penalty_rows or banned_rows or random_rows or logprob_rows or masks):
-            return SamplerOutput(raw_logits.argmax(dim=-1).tolist(), [None] * len(rows))
-
+        banned_rows, banned_ids = self._min_tokens_bans(rows, raw_logits.shape[1], constrained)
         logits = raw_logits
         if penalty_rows:
             logits = apply_penalties(logits, rows, penalty_rows)
@@ -102,16 +120,7 @@ class Sampler:
                 logits = logits.clone()
             index = torch.tensor(masks.row_indices, device=logits.device)
             logits[index] = apply_bitmask(logits[index], masks.bitmask)
-
-        if len(random_rows) == len(rows):
-            token_ids = _sample_random(logits, rows)  # [num_rows]
-        else:
-            token_ids = logits.argmax(dim=-1)  # [num_rows]
-            if random_rows:
-                index = torch.tensor(random_rows, device=logits.device)
-                sampled = _sample_random(logits[index], [rows[i] for i in random_rows])
-                token_ids[index] = sampled
-        return _collect(raw_logits, token_ids, rows, logprob_rows)
+        return logits
 
     def _min_tokens_bans(
         self, rows: Sequence[SamplingRow], vocab_size: int, skip: set[int]
@@ -243,21 +252,29 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def _exponential_noise(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Exp(1) noise like `probs`: seeded rows from their own generator, the rest in one draw."""
-    noise = torch.empty_like(probs)  # [num_rows, vocab]
-    if any(r.generator is None for r in rows):
-        noise.exponential_()
-    for i, row in enumerate(rows):
-        if row.generator is not None:
-            noise[i].exponential_(generator=row.generator)
-        elif row.params.seed is not None:
-            raise ValueError(f"sampling row {i} has seed={row.params.seed} but no generator")
+def exponential_draw(
+    vocab_size: int, generator: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """A seeded row's Exp(1) noise for one token: [vocab] float32, one draw of its generator."""
+    noise = torch.empty(vocab_size, device=device).exponential_(generator=generator)
     # A zero draw would turn a zero probability into 0/0 = nan, which argmax would pick.
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
-def _collect(
+def _exponential_noise(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Exp(1) noise like `probs`: seeded rows from their own generator, the rest in one draw."""
+    noise = torch.empty_like(probs)  # [num_rows, vocab]
+    if any(r.generator is None for r in rows):
+        noise.exponential_().clamp_min_(torch.finfo(noise.dtype).tiny)
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            noise[i] = exponential_draw(probs.shape[1], row.generator, probs.device)
+        elif row.params.seed is not None:
+            raise ValueError(f"sampling row {i} has seed={row.params.seed} but no generator")
+    return noise
+
+
+def collect(
     raw_logits: torch.Tensor,
     token_ids: torch.Tensor,
     rows: Sequence[SamplingRow],

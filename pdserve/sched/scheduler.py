@@ -40,7 +40,7 @@ from pdserve.request import Request
 from pdserve.sched.priority import PriorityPolicy
 from pdserve.sched.remote_kv import RemoteKV
 from pdserve.spec.proposer import Proposer
-from pdserve.types import EngineCoreOutput, KVRole, Logprob, RequestStatus
+from pdserve.types import EngineCoreOutput, KVRole, Logprob, RequestStatus, Verdict
 
 
 @dataclass(slots=True)
@@ -317,10 +317,10 @@ class Scheduler:
         sampled: list[int],
         logprobs: list[Logprob | None] | None = None,
         prompt_logprobs: dict[str, tuple[int, list[Logprob]]] | None = None,
-        speculated: dict[str, list[int]] | None = None,
+        speculated: dict[str, Verdict] | None = None,
     ) -> list[EngineCoreOutput]:
         """Advance the counters by the computed tokens, append sampled tokens (one per sampling
-        request, in plan order; `speculated`: the tokens each request with proposals emits), and
+        request, in plan order; `speculated`: what each request with proposals emits), and
         finish requests that hit EOS, a stop token or a length."""
         now = self.clock()
         outputs: list[EngineCoreOutput] = []
@@ -374,29 +374,34 @@ class Scheduler:
         return outputs
 
     def _update_speculated(
-        self, request: Request, item: ScheduledRequest, emitted: list[int], now: float
+        self, request: Request, item: ScheduledRequest, verdict: Verdict, now: float
     ) -> EngineCoreOutput | None:
         """A verified step: the accepted proposals and the model's next token, each checked for
         a stop; the KV of the rejected proposals' positions is left to be overwritten."""
+        emitted, logprobs = verdict.tokens, verdict.logprobs
         accepted = len(emitted) - 1
         request.num_computed_tokens += 1 + accepted  # the last token and the accepted proposals
         self.proposer.record(request, len(item.spec_tokens), accepted)
         m = request.metrics
         m.num_spec_proposed += len(item.spec_tokens)
         m.num_spec_accepted += accepted
+        m.num_spec_steps += 1
         if request.is_finished:  # ended by an abort during the step
             return None
-        out = EngineCoreOutput(request.request_id, [])
+        out = EngineCoreOutput(request.request_id, [], new_logprobs=[] if logprobs else None)
         status = None
-        for token in emitted:
+        for j, token in enumerate(emitted):
             request.append_output_token(token)
             m.token_times.append(now)
             out.new_token_ids.append(token)
+            if logprobs:
+                out.new_logprobs.append(logprobs[j])
             status = self.check_stop(request, token)
             if status is not None:
                 break
         out.num_preemptions = m.num_preemptions
         out.num_spec_proposed, out.num_spec_accepted = m.num_spec_proposed, m.num_spec_accepted
+        out.num_spec_steps = m.num_spec_steps
         if status is not None:
             self.running.remove(request)
             self.finish(request, status)

@@ -1,5 +1,9 @@
 """Which decoding requests propose tokens this step, and how many: the adaptive rule.
 
+Prompt lookup's proposals are made here (torch-free, at scheduling); a draft model's are made by
+the runner at the start of the step, so for it `propose` only says how many (`DRAFT`
+placeholders the runner replaces, `pdserve.spec.draft`).
+
 A request proposes only when speculation can pay and stay lossless here:
 
 - it pays on this engine, measured: the rule keeps the recent time of a plain decode step and
@@ -9,14 +13,14 @@ A request proposes only when speculation can pay and stay lossless here:
   1 / t_decode. Where it does not (a model so small that a step is overhead, not weights; a
   batch large enough that verifying k + 1 tokens a request is compute-bound), it is off, and
   tried again for one step every `PROBE_EVERY` steps (or more: so that the tries cost at most
-  5% of the time, 20 * t_verify / t_decode steps) to notice a change of load;
+  2.5% of the time, 40 * t_verify / t_decode steps) to notice a change of load;
 - at most `max_batch` requests decode (beyond, a decode step is compute-bound anyway);
 - its proposals have been right often enough: an exponential average of its acceptance rate
   (accepted / proposed per step, weight 0.5) at or above `min_acceptance`; below, it stops
   proposing for a pause that doubles each time (4, 8, ... up to 64 steps), then tries again;
-- its sampling has no state that verification does not replay: no grammar, no penalties, no
-  logprobs, no pending `min_tokens`, and no seed unless greedy (a seeded request's tokens must
-  not depend on when speculation ran); those requests decode one token per step as before;
+- it is not a prefill worker's request (which hands its KV off after one token). Grammars,
+  penalties, logprobs, min_tokens and seeds all speculate: verification constrains each
+  position as plain sampling would (`pdserve.spec.verify`);
 - the proposal fits: never past `max_tokens` (the step emits up to k + 1 tokens) nor the
   model's context.
 """
@@ -31,6 +35,7 @@ from pdserve.request import Request
 from pdserve.spec import ngram
 from pdserve.types import KVRole
 
+DRAFT = -1  # a proposal the draft model makes at the start of the step
 PAUSE_MIN, PAUSE_MAX = 4, 64
 EMA_WEIGHT = 0.5  # of a request's acceptance per verified step
 STEP_WEIGHT = 0.2  # of a step's time in the average of its kind
@@ -47,26 +52,19 @@ class SpecState:
     pause_left: int = 0  # steps to go without proposing
     next_pause: int = PAUSE_MIN
     index: ngram.NgramIndex | None = field(default=None, repr=False)  # of the request's tokens
+    # a draft model with its own KV cache: positions it holds for this request (runner side)
+    draft_computed: int = 0
+    draft_preemptions: int = 0  # the request's preemptions when it last drafted
 
 
 def speculable(request: Request) -> bool:
-    p = request.sampling_params
-    return (
-        request.grammar_state is None
-        and p.logprobs is None
-        and p.repetition_penalty == 1.0
-        and p.frequency_penalty == 0.0
-        and p.presence_penalty == 0.0
-        and request.num_output_tokens >= p.min_tokens
-        and (p.seed is None or p.greedy)
-        and request.kv_role != KVRole.SEND  # a prefill worker hands it off after one token
-    )
+    return request.kv_role != KVRole.SEND  # a prefill worker hands it off after one token
 
 
 class Proposer:
     def __init__(self, config: SpecConfig, max_model_len: int) -> None:
-        if config.method != "ngram":
-            raise ValueError(f"invalid speculative_method={config.method!r}: choose ngram")
+        if config.method not in ("ngram", "draft"):
+            raise ValueError(f"invalid speculative_method={config.method!r}: ngram or draft")
         self.config = config
         self.max_model_len = max_model_len
         self.t_decode: float | None = None  # seconds of a plain decode step, recently
@@ -98,10 +96,11 @@ class Proposer:
         return self.on
 
     def probe_every(self) -> int:
-        """Steps between two tries while speculation does not pay: tries cost <= 5%."""
+        """Steps between two tries while speculation does not pay: a try costs t_verify where a
+        plain step costs t_decode, so tries cost <= 2.5% of the time."""
         if self.t_decode is None or self.t_verify is None:
             return PROBE_EVERY
-        return max(PROBE_EVERY, math.ceil(20 * self.t_verify / self.t_decode))
+        return max(PROBE_EVERY, math.ceil(40 * self.t_verify / self.t_decode))
 
     def observe_step(self, speculated: bool, decode_only: bool, seconds: float) -> None:
         """A step's time, by kind: one that verified proposals, or a plain decode-only one."""
@@ -130,6 +129,8 @@ class Proposer:
         k = min(c.num_tokens, budget, room)
         if k <= 0:
             return []
+        if c.method == "draft":
+            return [DRAFT] * k
         if state.index is None:
             state.index = ngram.NgramIndex(c.ngram_min, c.ngram_max)
         state.index.update(request.all_token_ids)

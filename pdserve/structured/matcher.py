@@ -103,6 +103,31 @@ def fill_bitmask(
             state.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
 
 
+def fill_proposal_bitmask(
+    state: GrammarState,
+    output_token_ids: Sequence[int],
+    proposals: Sequence[int],
+    bitmask: torch.Tensor,
+) -> None:
+    """Rows 0..k of `bitmask` ([k + 1, words]) <- the tokens the grammar allows after the output
+    and after each proposal in turn (speculative decoding verifies all k + 1 positions at once).
+    The matcher is rolled back to the output afterwards. Positions past the first proposal the
+    grammar refuses can never be emitted (that proposal is rejected) and stay unconstrained."""
+    fill_bitmask([(state, output_token_ids)], bitmask[:1])
+    bitmask[1:].fill_(-1)
+    matcher = state.matcher
+    if matcher.is_error():
+        return
+    valid = matcher.validate_tokens(list(proposals))
+    for i in range(valid):
+        if not matcher.consume_token(proposals[i]):
+            valid = i
+            break
+        matcher.unsafe_compute_mask_ptr(bitmask[i + 1].data_ptr(), bitmask.shape[1] * 4)
+    if valid:
+        matcher.rollback(valid)
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """`logits` ([n, vocab]) with -inf wherever the bit of a token in `bitmask` ([n, words]) is
     0; a new tensor."""

@@ -18,10 +18,15 @@ STORY = (
 
 
 @pytest.mark.slow  # a deployment of its own
-def test_disaggregated_decode_worker_speculates_losslessly(stories_path):
+@pytest.mark.parametrize(
+    "method", [["ngram"], ["draft", "--draft-layers", "4"]], ids=["ngram", "self-draft"]
+)
+def test_disaggregated_decode_worker_speculates_losslessly(method, stories_path):
+    """The decode worker's draft reads the KV the prefill worker sent (self-speculation shares
+    those layers)."""
     want = LLM(stories_path).generate([STORY], SamplingParams(temperature=0, max_tokens=60))
     s = start_server(stories_path, "--prefill-workers", "1", "--decode-workers", "1",
-                     "--speculative-method", "ngram", "--no-speculative-adaptive")  # fmt: skip
+                     "--speculative-method", *method, "--no-speculative-adaptive")  # fmt: skip
     try:
         body = {"prompt": STORY, "max_tokens": 60, "temperature": 0}
         r = httpx.post(s.url + CMPL, json=body, timeout=120)
@@ -33,6 +38,11 @@ def test_disaggregated_decode_worker_speculates_losslessly(stories_path):
         assert 0 <= t["spec_accepted_tokens"] <= t["spec_proposed_tokens"]
         assert s.metric("pdserve_spec_proposed_tokens_total") == t["spec_proposed_tokens"]
         assert s.metric("pdserve_spec_accepted_tokens_total") == t["spec_accepted_tokens"]
+        assert 0 < t["spec_steps"] <= t["spec_proposed_tokens"]
+        assert s.metric("pdserve_spec_verify_steps_total") == t["spec_steps"]
+        assert t["spec_acceptance_rate"] == t["spec_accepted_tokens"] / t["spec_proposed_tokens"]
+        assert t["spec_mean_accepted_length"] == t["spec_accepted_tokens"] / t["spec_steps"]
+        assert s.metric("pdserve_spec_acceptance_rate_count") == 1
         s.wait_idle()
     finally:
         s.stop()

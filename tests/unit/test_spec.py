@@ -10,11 +10,11 @@ import torch
 from pdserve.config import EngineArgs
 from pdserve.kv.manager import KVCacheManager
 from pdserve.request import Request
-from pdserve.runner.sampler import SamplingRow, sampling_probs
+from pdserve.runner.sampler import Sampler, SamplingRow, sampling_probs
 from pdserve.sched.scheduler import Scheduler
 from pdserve.spec.ngram import NgramIndex, propose
 from pdserve.spec.verify import verify
-from pdserve.types import RequestStatus, SamplingParams
+from pdserve.types import RequestStatus, SamplingParams, Verdict
 
 BS = 4
 
@@ -89,7 +89,7 @@ def test_a_decoding_request_with_a_match_is_budgeted_its_proposals():
     assert item.spec_tokens == [13, 14, 10, 11] and item.num_new_tokens == 5 and item.sample
     assert plan.num_decode_tokens == 5
     # the model agrees with the first two proposals, then says 99
-    out = sched.update(plan, [], speculated={"a": [13, 14, 99]})
+    out = sched.update(plan, [], speculated={"a": Verdict([13, 14, 99])})
     assert out[0].new_token_ids == [13, 14, 99]
     assert r.output_token_ids == [12, 13, 14, 99]
     assert r.num_computed_tokens == r.num_tokens - 1  # the 99 is the one left to compute
@@ -104,13 +104,15 @@ def test_blocks_that_held_only_rejected_proposals_go_back():
     plan = sched.schedule()
     assert plan.scheduled[0].spec_tokens == list(range(11, 19))  # 18 + 1 + 8 = 27 tokens
     assert len(sched.kv.block_ids("a")) == 7  # blocks of 4
-    sched.update(plan, [], speculated={"a": [99]})  # all rejected: 20 tokens, 5 blocks
+    sched.update(plan, [], speculated={"a": Verdict([99])})  # all rejected: 20 tokens, 5 blocks
     assert len(sched.kv.block_ids("a")) == 5
     assert sched.kv.num_free_blocks() == 64 - 5
     while sched.has_unfinished:
         plan = sched.schedule()
         spec = {
-            s.request.request_id: s.spec_tokens[:1] + [7] for s in plan.scheduled if s.spec_tokens
+            s.request.request_id: Verdict(s.spec_tokens[:1] + [7])
+            for s in plan.scheduled
+            if s.spec_tokens
         }
         sched.update(
             plan, [7] * sum(s.sample and not s.spec_tokens for s in plan.scheduled), speculated=spec
@@ -124,13 +126,13 @@ def test_proposals_stop_at_a_stop_token_and_never_pass_max_tokens():
     decoding(sched, r, 12)
     plan = sched.schedule()
     assert len(plan.scheduled[0].spec_tokens) == 2  # 3 left to emit: 2 proposals + 1 token
-    out = sched.update(plan, [], speculated={"a": [13, 14, 10]})
+    out = sched.update(plan, [], speculated={"a": Verdict([13, 14, 10])})
     assert out[0].new_token_ids == [13, 14] and out[0].finish_reason == "stop"
     assert r.status == RequestStatus.FINISHED_STOPPED and not sched.has_unfinished
     sched.kv.pool.check_whole()
 
 
-def test_no_proposals_for_large_batches_stateful_sampling_or_a_short_budget():
+def test_no_proposals_for_large_batches_or_a_short_budget_but_for_any_sampling():
     sched = make_scheduler(speculative_max_batch=1)
     a, b = make_request("a", REPEATING[:-1]), make_request("b", REPEATING[:-1])
     for r in (a, b):
@@ -138,11 +140,12 @@ def test_no_proposals_for_large_batches_stateful_sampling_or_a_short_budget():
     sched.update(sched.schedule(), [12, 12])
     plan = sched.schedule()  # two decode: more than max_batch
     assert [s.spec_tokens for s in plan.scheduled] == [[], []]
-    for params in ({"logprobs": 0}, {"repetition_penalty": 1.2}, {"min_tokens": 8}):
+    # verification replays logprobs, penalties, min_tokens and seeds position by position
+    for params in ({"logprobs": 0}, {"repetition_penalty": 1.2}, {"min_tokens": 8}, {"seed": 1}):
         s2 = make_scheduler()
         r = make_request("c", REPEATING[:-1], **params)
         decoding(s2, r, 12)
-        assert s2.schedule().scheduled[0].spec_tokens == []
+        assert s2.schedule().scheduled[0].spec_tokens == [13, 14, 10, 11]
     s3 = make_scheduler(budget=2)
     r = make_request("d", REPEATING[:-1])
     s3.add_request(r)
@@ -165,7 +168,7 @@ def test_low_acceptance_pauses_proposals_for_a_growing_while():
             pauses.append(steps_without)
             steps_without = 0
             # reject everything and emit a token that keeps the suffix recurring
-            sched.update(plan, [], speculated={"a": [r.all_token_ids[-5]]})
+            sched.update(plan, [], speculated={"a": Verdict([r.all_token_ids[-5]])})
         else:
             steps_without += 1
             sched.update(plan, [r.all_token_ids[-4]])
@@ -178,13 +181,42 @@ def row(**params):
     return SamplingRow(SamplingParams(**params), None, [], [])
 
 
+SAMPLER = Sampler(eos_token_ids=(2,))
+
+
 def test_greedy_verification_keeps_the_agreeing_prefix_and_the_models_token():
     logits = torch.full((4, 10), -1.0)
     for pos, best in enumerate([3, 5, 7, 1]):
         logits[pos, best] = 5.0
-    assert verify(logits, [3, 5, 2], row(temperature=0)) == [3, 5, 7]
-    assert verify(logits, [3, 5, 7], row(temperature=0)) == [3, 5, 7, 1]  # all + a bonus
-    assert verify(logits, [4, 5, 7], row(temperature=0)) == [3]
+
+    def tokens(proposals):
+        rows = [row(temperature=0)] * (len(proposals) + 1)
+        return verify(SAMPLER, logits[: len(proposals) + 1], proposals, rows).tokens
+
+    assert tokens([3, 5, 2]) == [3, 5, 7]
+    assert tokens([3, 5, 7]) == [3, 5, 7, 1]  # all + a bonus
+    assert tokens([4, 5, 7]) == [3]
+
+
+def test_verification_constrains_each_position_as_plain_sampling_would():
+    """Position j is judged with the proposals before it as output: a repetition penalty that
+    turns the argmax away from an already-proposed token rejects a proposal that repeats it;
+    min_tokens bans EOS exactly at the positions that are still short; logprobs come per token."""
+    logits = torch.zeros(3, 10)
+    logits[:, 4] = 2.0
+    logits[:, 6] = 1.9
+    penalized = [SamplingRow(SamplingParams(temperature=0, repetition_penalty=1.5), None, [1],
+                             [9] + [4] * j) for j in range(3)]  # fmt: skip
+    v = verify(SAMPLER, logits, [4, 4], penalized)
+    assert v.tokens == [4, 6] and v.logprobs is None  # 4 once, then 2.0 / 1.5 < 1.9
+    eos = torch.zeros(3, 10)
+    eos[:, 2] = 5.0  # EOS is the argmax everywhere
+    short = [SamplingRow(SamplingParams(temperature=0, min_tokens=3, logprobs=1), None, [1],
+                         [9] + [7] * j) for j in range(3)]  # fmt: skip
+    v = verify(SAMPLER, eos, [7, 2], short)  # output 1, 2, then 3 tokens long
+    assert v.tokens[0] != 2 and len(v.tokens) == 1  # banned at position 0: 7 is not the pick
+    assert len(v.logprobs) == 1 and v.logprobs[0].token_id == v.tokens[0]
+    assert v.logprobs[0].logprob == pytest.approx(float(eos[0].log_softmax(-1)[v.tokens[0]]))
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -194,26 +226,69 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
 
 
-@pytest.mark.parametrize(
-    "params", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 5}, {"top_p": 0.8}]
-)
-def test_sampled_verification_follows_the_models_distribution(params):
-    """Over many draws, the first emitted token follows p_0, and the second (given the first
-    proposal was kept) follows p_1, whatever the proposals: a chi-square test at p = 0.001 for
-    8 categories (critical value 24.3)."""
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 8, generator=g) * 1.5
-    r = SamplingRow(SamplingParams(**params, seed=1), torch.Generator().manual_seed(1), [], [])
-    probs = sampling_probs(logits, [r] * 3)
-    proposals = [int(probs[0].argmax()), int(probs[1].argmin())]  # a likely one, an unlikely one
+SAMPLED = [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 5}, {"top_p": 0.8}]
+
+
+def draws(logits, proposals, rows, n=10000):
     first, second = torch.zeros(8), torch.zeros(8)
-    for _ in range(20000):
-        out = verify(logits, proposals, r)
+    for _ in range(n):
+        out = verify(SAMPLER, logits, proposals, rows).tokens
         first[out[0]] += 1
         if out[0] == proposals[0]:
             second[out[1]] += 1
+    return first, second
+
+
+@pytest.mark.parametrize("params", SAMPLED)
+@pytest.mark.parametrize("proposer", ["point mass", "draft"])
+def test_sampled_verification_follows_the_models_distribution(params, proposer):
+    """Over many draws, the first emitted token follows p_0, and the second (given the first
+    proposal was kept) follows p_1, whatever the proposals and whatever distribution q a draft
+    drew them from: a chi-square test at p = 0.001 for 8 categories (critical value 24.3)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 8, generator=g) * 1.5
+    rows = [SamplingRow(SamplingParams(**params), None, [], [])] * 3
+    probs = sampling_probs(logits, rows)
+    torch.manual_seed(0)
+    q = None
+    if proposer == "draft":  # a draft that disagrees with the model, proposals drawn from it
+        q = torch.softmax(torch.randn(2, 8, generator=g) * 2.0, dim=-1)
+        firsts, seconds = torch.zeros(8), torch.zeros(8)
+        for _ in range(10000):
+            proposals = [int(torch.multinomial(q[0], 1)), int(torch.multinomial(q[1], 1))]
+            out = verify(SAMPLER, logits, proposals, rows, draft_probs=q).tokens
+            firsts[out[0]] += 1
+            if len(out) > 1:  # the first proposal was kept
+                seconds[out[1]] += 1
+        first, second = firsts, seconds
+    else:
+        proposals = [int(probs[0].argmax()), int(probs[1].argmin())]  # a likely, an unlikely
+        first, second = draws(logits, proposals, rows)
     assert chi_square(first, probs[0]) < 24.3
     assert chi_square(second, probs[1]) < 24.3
+
+
+@pytest.mark.parametrize("params", SAMPLED)
+def test_a_seeded_verification_emits_what_plain_seeded_sampling_draws(params):
+    """Seeded: the tokens are those plain sampling draws from the same generator, one draw per
+    emitted token, whatever was proposed; so a seed gives the same tokens with or without
+    speculation (and they follow p: plain sampling's are checked in test_sampler.py)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 8, generator=g) * 1.5
+    sp = SamplingParams(**params, seed=5)
+    plain_gen, spec_gen = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    plain = [SAMPLER(logits[j : j + 1], [SamplingRow(sp, plain_gen, [], [])]).token_ids[0]
+             for j in range(5)]  # fmt: skip
+    rows = [SamplingRow(sp, spec_gen, [], [])] * 5
+    for proposals in ([], plain[:2] + [(plain[2] + 1) % 8], plain[:4], [(plain[0] + 1) % 8]):
+        spec_gen.manual_seed(5)
+        out: list[int] = []
+        while len(out) < 5:  # one verifying step after another, as the engine runs them
+            at = len(out)
+            ahead = proposals[at:4] if out == proposals[:at] else []  # proposals still in line
+            got = verify(SAMPLER, logits[at : at + len(ahead) + 1], ahead, rows[: len(ahead) + 1])
+            out += got.tokens
+        assert out[:5] == plain
 
 
 def test_speculation_runs_only_while_a_verifying_step_yields_tokens_faster():
@@ -228,6 +303,11 @@ def test_speculation_runs_only_while_a_verifying_step_yields_tokens_faster():
     assert p.pays() and p.begin_step(1)
     p.acceptance = 0.25  # 2 tokens per 30 ms: 67/s, slower than plain decoding
     assert not p.pays()
+    assert p.probe_every() == 120  # 40 * 30 / 10: the tries cost at most 2.5%
+    decisions = [p.begin_step(1) for _ in range(240)]
+    assert decisions.count(True) == 2 and decisions[119]
+    p.t_verify, p.acceptance = 0.012, 0.0  # a cheaper step: no closer than PROBE_EVERY
+    assert not p.pays() and p.probe_every() == PROBE_EVERY
     decisions = [p.begin_step(1) for _ in range(2 * PROBE_EVERY)]
     assert decisions.count(True) == 2 and decisions[PROBE_EVERY - 1]  # one probe every 64
     p.acceptance = 1.0
