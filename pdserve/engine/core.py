@@ -190,12 +190,12 @@ class EngineCore:
         t0 = time.perf_counter()
         result = self.runner.execute(plan, self.kv.req_block_ids)
         t1 = time.perf_counter()
-        self.scheduler.observe_step(plan, t1 - t0)
         if self.offload is not None and plan.num_decode_tokens == 0:
             self.kv.tier.cost.observe_prefill(plan.num_prefill_tokens, t1 - t0)
         outputs = self.scheduler.update(
             plan, result.sampled, result.logprobs, result.prompt_logprobs, result.speculated
         )
+        self.scheduler.observe_step(plan, t1 - t0)  # after update: it counts the accepted
         step = self.stats.record(plan, t0, t1, self.scheduler.stats())
         if self.placement is not None:
             self.placement.on_step(step.phase, step.num_decode_seqs, step.step_time_s)

@@ -412,10 +412,11 @@ class Scheduler:
         return out
 
     def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:
-        """How long the plan's forward took (for the speculation rule)."""
+        """How long the plan's forward took (for the speculation rule; after `update`)."""
         if self.proposer is not None:
             speculated = any(s.spec_tokens for s in plan.scheduled)
-            self.proposer.observe_step(speculated, plan.num_prefill_tokens == 0, seconds)
+            decoding = sum(bool(s.spec_tokens) or s.num_new_tokens == 1 for s in plan.scheduled)
+            self.proposer.observe_step(speculated, plan.num_prefill_tokens == 0, seconds, decoding)
 
     def _finish_scored(self, request: Request) -> EngineCoreOutput:
         """A `max_tokens=0` request whose prompt is computed: it ends without a token."""

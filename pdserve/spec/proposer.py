@@ -7,13 +7,17 @@ placeholders the runner replaces, `pdserve.spec.draft`).
 A request proposes only when speculation can pay and stay lossless here:
 
 - it pays on this engine, measured: the rule keeps the recent time of a plain decode step and
-  of a verifying step (exponential averages over the steps of each kind) and the recent
-  acceptance over all requests; speculation stays on while a verifying step is expected to
-  yield more tokens per second than plain decoding, (1 + acceptance * k) / t_verify >=
-  1 / t_decode. Where it does not (a model so small that a step is overhead, not weights; a
-  batch large enough that verifying k + 1 tokens a request is compute-bound), it is off, and
-  tried again for one step every `PROBE_EVERY` steps (or more: so that the tries cost at most
-  2.5% of the time, 40 * t_verify / t_decode steps) to notice a change of load;
+  of a verifying step (exponential averages over the steps of each kind) and the tokens each
+  decoding request got from a verifying step (1 + accepted proposals / decoding requests,
+  averaged the same way, so requests that did not propose count too); speculation stays on
+  while a verifying step yields more tokens per second and request than plain decoding,
+  yield / t_verify >= 1 / t_decode. Where it does not (a model so small that a step is
+  overhead, not weights; a batch large enough that verifying k + 1 tokens a request is
+  compute-bound), it is off, and tried again for one step every `PROBE_EVERY` steps (or more:
+  so that the tries cost at most 2.5% of the time, 40 * t_verify / t_decode steps) to notice
+  a change of load. A try (and the first one, before anything is measured) lets only one
+  request propose: it costs one request's verification (and a draft model's catch-up of one
+  prompt), not a batch's;
 - at most `max_batch` requests decode (beyond, a decode step is compute-bound anyway);
 - its proposals have been right often enough: an exponential average of its acceptance rate
   (accepted / proposed per step, weight 0.5) at or above `min_acceptance`; below, it stops
@@ -69,30 +73,37 @@ class Proposer:
         self.max_model_len = max_model_len
         self.t_decode: float | None = None  # seconds of a plain decode step, recently
         self.t_verify: float | None = None  # of a step that verified proposals
-        self.acceptance = 1.0  # over all requests, recently
-        self.mean_k = float(config.num_tokens)  # proposals per verifying request, recently
+        # tokens each decoding request got from a verifying step, recently (accepted
+        # proposals included, requests that did not propose too)
+        self.yield_per_request = 1.0 + config.num_tokens
         self.idle_steps = 0  # decode steps since speculation last ran while it did not pay
         self.on = True  # this step may speculate (`begin_step`)
+        self.probing = False  # this step is a try: only one request proposes
+        self.step_accepted = 0  # proposals accepted in this step so far (`record`)
 
     def pays(self) -> bool:
-        """Whether a verifying step is expected to yield tokens faster than a plain one."""
+        """Whether a verifying step is expected to yield tokens faster than a plain one, per
+        decoding request: yield / t_verify >= 1 / t_decode (both measured)."""
         if self.t_decode is None or self.t_verify is None:
-            return True  # not measured yet: try it
-        return (1 + self.acceptance * self.mean_k) / self.t_verify >= 1 / self.t_decode
+            return False
+        return self.yield_per_request / self.t_verify >= 1 / self.t_decode
 
     def begin_step(self, num_decoding: int) -> bool:
         """Decide once per step whether requests may propose in it."""
-        self.on = False
+        self.on = self.probing = False
+        self.step_accepted = 0
         if num_decoding == 0 or num_decoding > self.config.max_batch:
             return False
         if not self.config.adaptive or self.pays():
             self.idle_steps = 0
             self.on = True
-        else:
+        elif self.t_verify is None:  # never tried: a try at once
+            self.on = self.probing = True
+        elif self.t_decode is not None:
             self.idle_steps += 1
             if self.idle_steps >= self.probe_every():  # one try, to notice a change
                 self.idle_steps = 0
-                self.on = True
+                self.on = self.probing = True
         return self.on
 
     def probe_every(self) -> int:
@@ -102,12 +113,18 @@ class Proposer:
             return PROBE_EVERY
         return max(PROBE_EVERY, math.ceil(40 * self.t_verify / self.t_decode))
 
-    def observe_step(self, speculated: bool, decode_only: bool, seconds: float) -> None:
-        """A step's time, by kind: one that verified proposals, or a plain decode-only one."""
+    def observe_step(
+        self, speculated: bool, decode_only: bool, seconds: float, num_decoding: int = 1
+    ) -> None:
+        """A step's time, by kind: one that verified proposals (after `record` saw each of
+        them; `num_decoding` requests decoded in it), or a plain decode-only one."""
         if speculated:
             self.t_verify = _ema(self.t_verify, seconds)
+            tokens = 1 + self.step_accepted / max(num_decoding, 1)
+            self.yield_per_request += STEP_WEIGHT * (tokens - self.yield_per_request)
         elif decode_only:
             self.t_decode = _ema(self.t_decode, seconds)
+        self.step_accepted = 0
 
     def propose(self, request: Request, budget: int) -> list[int]:
         """Tokens to verify after the request's last one this step ([]: decode one as usual),
@@ -130,11 +147,15 @@ class Proposer:
         if k <= 0:
             return []
         if c.method == "draft":
-            return [DRAFT] * k
-        if state.index is None:
-            state.index = ngram.NgramIndex(c.ngram_min, c.ngram_max)
-        state.index.update(request.all_token_ids)
-        return state.index.propose(request.all_token_ids, k)
+            proposal = [DRAFT] * k
+        else:
+            if state.index is None:
+                state.index = ngram.NgramIndex(c.ngram_min, c.ngram_max)
+            state.index.update(request.all_token_ids)
+            proposal = state.index.propose(request.all_token_ids, k)
+        if proposal and self.probing:  # a try costs one request's verification, not a batch's
+            self.on = False
+        return proposal
 
     def record(self, request: Request, proposed: int, accepted: int) -> None:
         """After verification: update the request's acceptance and pause it when low."""
@@ -142,8 +163,7 @@ class Proposer:
         state.proposed += proposed
         state.accepted += accepted
         state.acceptance += EMA_WEIGHT * (accepted / proposed - state.acceptance)
-        self.acceptance += STEP_WEIGHT * (accepted / proposed - self.acceptance)
-        self.mean_k += STEP_WEIGHT * (proposed - self.mean_k)
+        self.step_accepted += accepted
         if self.config.adaptive and state.acceptance < self.config.min_acceptance:
             state.pause_left = state.next_pause
             state.next_pause = min(2 * state.next_pause, PAUSE_MAX)

@@ -296,19 +296,33 @@ def test_speculation_runs_only_while_a_verifying_step_yields_tokens_faster():
 
     sched = make_scheduler(speculative_max_batch=4)
     p = sched.proposer
-    assert p.begin_step(1)  # nothing measured yet: try it
-    p.observe_step(speculated=False, decode_only=True, seconds=0.010)
+    assert p.begin_step(1) and p.probing  # nothing measured yet: one try
     p.observe_step(speculated=True, decode_only=False, seconds=0.030)
-    p.acceptance, p.mean_k = 0.75, 4.0  # 4 tokens per verifying step in 30 ms: 133/s vs 100/s
-    assert p.pays() and p.begin_step(1)
-    p.acceptance = 0.25  # 2 tokens per 30 ms: 67/s, slower than plain decoding
+    assert not p.begin_step(1)  # no plain step measured yet: one, to compare
+    p.observe_step(speculated=False, decode_only=True, seconds=0.010)
+    p.yield_per_request = 4.0  # 4 tokens a request per verifying step in 30 ms: 133/s vs 100/s
+    assert p.pays() and p.begin_step(1) and not p.probing
+    p.yield_per_request = 2.0  # 2 tokens per 30 ms: 67/s, slower than plain decoding
     assert not p.pays()
     assert p.probe_every() == 120  # 40 * 30 / 10: the tries cost at most 2.5%
     decisions = [p.begin_step(1) for _ in range(240)]
     assert decisions.count(True) == 2 and decisions[119]
-    p.t_verify, p.acceptance = 0.012, 0.0  # a cheaper step: no closer than PROBE_EVERY
+    p.t_verify, p.yield_per_request = 0.012, 1.0  # cheaper: no closer than PROBE_EVERY
     assert not p.pays() and p.probe_every() == PROBE_EVERY
     decisions = [p.begin_step(1) for _ in range(2 * PROBE_EVERY)]
     assert decisions.count(True) == 2 and decisions[PROBE_EVERY - 1]  # one probe every 64
-    p.acceptance = 1.0
-    assert not p.begin_step(5)  # more requests decode than max_batch
+    p.yield_per_request = 5.0
+    assert p.pays() and not p.begin_step(5)  # more requests decode than max_batch
+
+
+def test_a_try_lets_one_request_propose_and_the_yield_counts_every_decoding_request():
+    sched = make_scheduler(speculative_adaptive=True)
+    for c in "abc":
+        sched.add_request(make_request(c, REPEATING[:-1]))
+    sched.update(sched.schedule(), [12, 12, 12])  # the three prefills, a first token each
+    plan = sched.schedule()  # nothing measured: a try, one request proposes
+    assert sched.proposer.probing
+    assert [s.spec_tokens for s in plan.scheduled] == [[13, 14, 10, 11], [], []]
+    sched.update(plan, [12, 12], speculated={"a": Verdict([13, 14, 10])})  # 2 accepted
+    sched.observe_step(plan, 0.030)
+    assert sched.proposer.yield_per_request == pytest.approx(5 + 0.2 * (1 + 2 / 3 - 5))
