@@ -7,6 +7,7 @@ loop: plan, execute, update; it also records the step's phase statistics.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from concurrent.futures import Future
@@ -59,6 +60,8 @@ class EngineCore:
         self.connector = connector or KVConnector()  # colocated: no KV crosses workers
         cache_config = args.cache_config()
         sched_config = args.scheduler_config(max_len)  # checked before the weights load
+        if not self.connector.decodes:  # a prefill worker: no speculation, no draft model
+            sched_config = dataclasses.replace(sched_config, speculation=None)
         self.runner = ModelRunner(
             self.model_config,
             cache_config,
@@ -73,8 +76,8 @@ class EngineCore:
             quantization=args.quantization,
             group_size=args.quantization_group_size,
             kv_cache_dtype=args.kv_cache_dtype,
-            draft_model=args.draft_model,
-            draft_layers=args.draft_layers,
+            draft_model=args.draft_model if sched_config.speculation else None,
+            draft_layers=args.draft_layers if sched_config.speculation else None,
         )
         self.offload = None  # BlockMover, with --kv-offload
         tiers = build_stack(self)

@@ -94,6 +94,8 @@ class KVConnector:
     """The colocated worker's connector: no KV crosses workers."""
 
     exposed_s = 0.0  # cumulative time the step loop waited for transfers
+    # whether this worker's requests decode here (a draft model is worth loading)
+    decodes = True
 
     def kv_cache_factory(self) -> CacheFactory | None:
         return None

@@ -235,6 +235,8 @@ class KVSender:
 class SendingConnector(KVConnector):
     """Prefill role: ships the KV of every `KVRole.SEND` request to its decode worker."""
 
+    decodes = False  # its requests leave after their first token: nothing to speculate
+
     def __init__(self, worker_id: int, key: bytes) -> None:
         self.worker_id, self.key = worker_id, key
         self.sender: KVSender | None = None
