@@ -9,7 +9,10 @@ transfer stays exposed behind its prefill.
    with its destination blocks scattered over the decode cache (rows gathered and scattered).
 3. tcp: the same rows as zero-copy ZMQ frames over loopback TCP to a `KVReceiver` in another
    process, which writes them into its cache; timed until its `KVDone` arrives.
-4. exposed: a real prefill of the prompt on an `EngineCore` whose layers hand their KV to the
+4. ceilings: the same bytes in 4 MiB messages between two processes over loopback, through a
+   plain socket (`sendall` -> `recv_into` a buffer) and through a plain ZMQ PUSH/PULL pair (no
+   KV code at all): what any TCP transport, or one built on ZMQ, could reach on this machine.
+5. exposed: a real prefill of the prompt on an `EngineCore` whose layers hand their KV to the
    shm sender as they finish; exposed = the time the step loop waited for transfers after the
    forward, next to the prefill time.
 
@@ -21,12 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import socket
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+import zmq
 
 from pdserve.config import EngineArgs, ModelConfig
 from pdserve.disagg.connector import KVReceiver, KVSender, shm_cache_factory
@@ -147,6 +152,68 @@ def tcp_seconds(cfg, model, layout, tokens, block_size, own) -> float:
     return min(times)
 
 
+CEILING_MSG = 4 << 20
+
+
+def _ceiling_receiver(kind: str, total: int, conn) -> None:
+    buf = bytearray(CEILING_MSG)
+    view = memoryview(buf)
+    if kind == "socket":
+        srv = socket.create_server(("127.0.0.1", 0))
+        conn.send(srv.getsockname()[1])
+        peer, _ = srv.accept()
+        got = 0
+        while got < total:
+            n = peer.recv_into(view, min(CEILING_MSG, total - got))
+            got += n
+            if n == 0:
+                break
+        peer.close()
+        srv.close()
+    else:
+        sock = zmq.Context.instance().socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        conn.send(sock.bind_to_random_port("tcp://127.0.0.1"))
+        got = 0
+        while got < total:
+            frame = sock.recv(copy=False)
+            view[: len(frame.buffer)] = frame.buffer  # into one buffer, as a receiver must
+            got += len(frame.buffer)
+        sock.close(linger=0)
+    conn.send(time.perf_counter())
+
+
+def ceiling_seconds(kind: str, num_bytes: int) -> float:
+    """Seconds to move `num_bytes` to another process over loopback: "socket" or "zmq"."""
+    count = max(1, num_bytes // CEILING_MSG)
+    data = np.random.default_rng(0).bytes(CEILING_MSG)
+    times = []
+    for _ in range(3):
+        parent, child = mp.Pipe()
+        proc = mp.get_context("spawn").Process(
+            target=_ceiling_receiver, args=(kind, count * CEILING_MSG, child)
+        )
+        proc.start()
+        port = parent.recv()
+        if kind == "socket":
+            out = socket.create_connection(("127.0.0.1", port))
+            t0 = time.perf_counter()
+            for _ in range(count):
+                out.sendall(data)
+        else:
+            out = zmq.Context.instance().socket(zmq.PUSH)
+            out.setsockopt(zmq.SNDHWM, 0)
+            out.connect(f"tcp://127.0.0.1:{port}")
+            time.sleep(0.2)  # connected before the clock starts
+            t0 = time.perf_counter()
+            for _ in range(count):
+                out.send(data, copy=False)
+        times.append((parent.recv() - t0) * num_bytes / (count * CEILING_MSG))
+        proc.join(timeout=30)
+        out.close()
+    return min(times)
+
+
 def exposed_seconds(model: str, tokens: int, block_size: int) -> dict:
     """A real prefill with the shm sender hooked into every layer."""
     from pdserve.engine.core import EngineCore
@@ -260,6 +327,7 @@ def main() -> None:
     ok = ok and all(torch.equal(o, q[:, slot(scattered)]) for o, q in zip(own, peer))
     recv.close()
     t_tcp = tcp_seconds(cfg, model, layout, a.tokens, a.block_size, own)
+    t_socket, t_zmq = (ceiling_seconds(kind, kv_bytes) for kind in ("socket", "zmq"))
     exposed = exposed_seconds(model, a.tokens, a.block_size)
 
     gbs = lambda t: kv_bytes / t / 1e9  # noqa: E731
@@ -273,6 +341,8 @@ def main() -> None:
         "shm_vs_memcpy": t_memcpy / t_shm,
         "shm_scattered_vs_memcpy": t_memcpy / t_shm_scattered,
         "tcp_vs_memcpy": t_memcpy / t_tcp,
+        "socket_ceiling_gbs": gbs(t_socket),
+        "zmq_ceiling_gbs": gbs(t_zmq),
         "shm_copy_exact": ok,
         **{f"prefill_{k}": v for k, v in exposed.items()},
     }
@@ -288,6 +358,11 @@ def main() -> None:
         f"of memcpy; blocks scattered at the destination); both exact: {ok}"
     )
     print(f"  tcp      {res['tcp_gbs']:7.2f} GB/s  ({res['tcp_vs_memcpy']:.0%} of memcpy)")
+    for kind in ("socket", "zmq"):
+        v = res[f"{kind}_ceiling_gbs"]
+        print(
+            f"  {kind:8} {v:7.2f} GB/s  ({v / res['memcpy_gbs']:.0%} of memcpy; loopback ceiling)"
+        )
     print(
         f"  prefill of {a.tokens} tokens: {exposed['prefill_s'] * 1e3:.0f} ms; transfer left "
         f"exposed after it: {exposed['exposed_s'] * 1e3:.1f} ms "
