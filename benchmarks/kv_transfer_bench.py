@@ -13,8 +13,8 @@ transfer stays exposed behind its prefill.
    plain socket (`sendall` -> `recv_into` a buffer) and through a plain ZMQ PUSH/PULL pair (no
    KV code at all): what any TCP transport, or one built on ZMQ, could reach on this machine.
 5. exposed: a real prefill of the prompt on an `EngineCore` whose layers hand their KV to the
-   shm sender as they finish; exposed = the time the step loop waited for transfers after the
-   forward, next to the prefill time.
+   sender as they finish (shm, and tcp to a receiver in the same process); exposed = the time
+   the step loop waited for transfers after the forward, next to the prefill time.
 
 The model defaults to a random ~125M Llama written with `pdserve make-model --preset llama-125m`.
 """
@@ -123,13 +123,15 @@ def _tcp_receiver(cfg_path, block_size, tokens, conn):
         max_tokens=tokens,
     )
     conn.send(recv.endpoint())
+    poller = zmq.Poller()  # waits as a decode worker's loop does
+    poller.register(recv.waker, zmq.POLLIN)
     done_count = 0
     while done_count < 4:
+        poller.poll(100)
         done, _ = recv.poll()
         done_count += len(done)
         for _ in done:
             conn.send(time.perf_counter())
-        time.sleep(0.0001)
     recv.close()
 
 
@@ -214,8 +216,9 @@ def ceiling_seconds(kind: str, num_bytes: int) -> float:
     return min(times)
 
 
-def exposed_seconds(model: str, tokens: int, block_size: int) -> dict:
-    """A real prefill with the shm sender hooked into every layer."""
+def exposed_seconds(model: str, tokens: int, block_size: int, transport: str = "shm") -> dict:
+    """A real prefill with the sender hooked into every layer (tcp: to a receiver in this
+    process, whose receive threads take the rows while the prefill computes)."""
     from pdserve.engine.core import EngineCore
     from pdserve.types import KVRole, SamplingParams
 
@@ -230,13 +233,14 @@ def exposed_seconds(model: str, tokens: int, block_size: int) -> dict:
     cfg, runner = core.model_config, core.runner
     layout = layout_of(cfg, block_size)
     paths: list[str] = []
-    peer_caches = make_caches(cfg, runner.num_blocks * block_size, shm_cache_factory(paths))
+    factory = shm_cache_factory(paths) if transport == "shm" else None
+    peer_caches = make_caches(cfg, runner.num_blocks * block_size, factory)
     recv = KVReceiver(
         1,
         peer_caches,
-        "shm",
-        f"ipc://{tempfile.mkdtemp()}/kv",
-        paths[0],
+        transport,
+        f"ipc://{tempfile.mkdtemp()}/kv" if transport == "shm" else "tcp://127.0.0.1:0",
+        paths[0] if paths else None,
         layout,
         reservation=every_block(peer_caches, block_size),
         key=KEY,
@@ -329,6 +333,7 @@ def main() -> None:
     t_tcp = tcp_seconds(cfg, model, layout, a.tokens, a.block_size, own)
     t_socket, t_zmq = (ceiling_seconds(kind, kv_bytes) for kind in ("socket", "zmq"))
     exposed = exposed_seconds(model, a.tokens, a.block_size)
+    exposed_tcp = exposed_seconds(model, a.tokens, a.block_size, "tcp")
 
     gbs = lambda t: kv_bytes / t / 1e9  # noqa: E731
     res = {
@@ -345,6 +350,7 @@ def main() -> None:
         "zmq_ceiling_gbs": gbs(t_zmq),
         "shm_copy_exact": ok,
         **{f"prefill_{k}": v for k, v in exposed.items()},
+        **{f"tcp_prefill_{k}": v for k, v in exposed_tcp.items()},
     }
     res["exposed_fraction_of_transfer"] = exposed["exposed_s"] / t_shm if t_shm else None
     print(f"KV of {a.tokens} tokens: {kv_bytes / 1e6:.1f} MB ({cfg.num_layers} layers)")
@@ -363,11 +369,12 @@ def main() -> None:
         print(
             f"  {kind:8} {v:7.2f} GB/s  ({v / res['memcpy_gbs']:.0%} of memcpy; loopback ceiling)"
         )
-    print(
-        f"  prefill of {a.tokens} tokens: {exposed['prefill_s'] * 1e3:.0f} ms; transfer left "
-        f"exposed after it: {exposed['exposed_s'] * 1e3:.1f} ms "
-        f"({exposed['exposed_s'] / exposed['prefill_s']:.1%} of the prefill)"
-    )
+    for name, e in (("shm", exposed), ("tcp", exposed_tcp)):
+        print(
+            f"  {name}: prefill of {a.tokens} tokens {e['prefill_s'] * 1e3:.0f} ms; transfer "
+            f"left exposed after it: {e['exposed_s'] * 1e3:.1f} ms "
+            f"({e['exposed_s'] / e['prefill_s']:.1%} of the prefill)"
+        )
     if a.output:
         Path(a.output).write_text(json.dumps(res, indent=2))
 

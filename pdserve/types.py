@@ -168,7 +168,7 @@ class KVTransportKind(enum.StrEnum):
     """How a prefill worker's KV reaches a decode worker."""
 
     SHM = "shm"  # one host: the decode worker's cache in a shared-memory file
-    TCP = "tcp"  # across hosts: layer rows as ZMQ frames
+    TCP = "tcp"  # across hosts: layer rows on plain TCP streams
 
 
 class RoleControl(enum.StrEnum):

@@ -23,6 +23,8 @@ from fuzz import EXAMPLES, fuzz_request_bodies
 from hypothesis import strategies as st
 from server_harness import start_server
 
+from pdserve.disagg.connector.stream import StreamChannel
+
 CMPL = "/v1/completions"
 CHAT = "/v1/chat/completions"
 BIG = 2**63 - 1
@@ -292,13 +294,11 @@ def test_a_disaggregated_server_keeps_its_channels_private_and_alive(stories_pat
         assert len(sockets) >= 3 and all(_mode(p) == 0o600 for p in sockets), sockets
 
         (port,) = s.listening_tcp_ports(s.worker_pid("decode"))
-        push = zmq.Context.instance().socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 1000)
-        push.connect(f"tcp://127.0.0.1:{port}")
+        push = StreamChannel(f"tcp://127.0.0.1:{port}")
         push.send(b"\x00" * 20)  # the frame that used to make the worker exit
         push.send_multipart([os.urandom(64), b"\x08" * 16, os.urandom(4096)])
         push.close()
-        with socket.create_connection(("127.0.0.1", port)) as raw:  # not even ZMTP
+        with socket.create_connection(("127.0.0.1", port)) as raw:  # not even framed
             raw.sendall(os.urandom(1000))
         deadline = time.monotonic() + 10
         while s.metric("pdserve_dropped_frames_total", 'role="decode"') < 2:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-import zmq
 
 from pdserve.disagg.connector import (
     KVReceiver,
@@ -20,6 +20,7 @@ from pdserve.disagg.connector import (
     seal,
     shm_cache_factory,
 )
+from pdserve.disagg.connector.stream import PREFIX, StreamChannel, parse_address
 from pdserve.disagg.protocol import KVDest, KVDone, KVEnvelope, KVLayerHeader, KVLayout
 
 LAYERS, HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 3, 2, 8, 4, 64
@@ -155,9 +156,7 @@ def tcp_receiver():
         KEY,
         max_tokens=64,
     )
-    push = zmq.Context.instance().socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(recv.address)
+    push = StreamChannel(recv.address)
     yield recv, cache, push
     push.close()
     recv.close()
@@ -192,6 +191,8 @@ def deliver(recv, push, *messages):
 
 def test_garbage_and_forged_frames_are_dropped_and_counted(tcp_receiver):
     recv, cache, push = tcp_receiver
+    with socket.create_connection(parse_address(recv.address)) as raw:  # not even framed
+        raw.sendall(os.urandom(1000))
     forged_done = KVEnvelope(5, 1, KVDone("r", 3, 0, 0, 0.0))
     done, _ = deliver(
         recv,
@@ -205,7 +206,10 @@ def test_garbage_and_forged_frames_are_dropped_and_counted(tcp_receiver):
     )
     assert done == []  # nothing forged got through
     assert not any(c.any() for c in cache)  # and nothing was written
-    assert recv.dropped["bad_tag"] >= 4 and sum(recv.dropped.values()) == 6
+    # 6 messages refused; the random bytes declared a message too large (or ended inside one)
+    assert recv.dropped["bad_tag"] >= 4
+    assert recv.dropped["oversized"] + recv.dropped["truncated"] == 1
+    assert sum(recv.dropped.values()) == 7
 
 
 def test_writes_outside_the_reservation_or_replayed_are_refused(tcp_receiver):
@@ -229,12 +233,36 @@ def test_writes_outside_the_reservation_or_replayed_are_refused(tcp_receiver):
     assert recv.dropped["replayed"] == 1 and not cache[0][:, [9, 10]].any()
 
 
-def test_an_oversized_frame_is_refused_before_it_is_buffered(tcp_receiver):
+def test_an_oversized_message_is_refused_before_it_is_buffered(tcp_receiver):
     recv, cache, push = tcp_receiver
-    huge = np.zeros(64 * 2 * HEADS * HEAD_DIM * 2, np.float32)  # twice what 64 tokens need
-    push.send_multipart([b"h" * 32, b"s", huge.tobytes()])
-    # ZMQ disconnects the sender; a new connection still works.
-    push.disconnect(recv.address)
-    push.connect(recv.address)
-    deliver(recv, push, layer_frames(KEY, seq=1))
+    with socket.create_connection(parse_address(recv.address)) as raw:
+        # declares twice the rows 64 tokens need, then never sends them: refused at once
+        raw.sendall(PREFIX.pack(32, 8, 64 * 2 * 2 * HEADS * HEAD_DIM * 4 * 2) + b"h" * 40)
+        try:
+            end = raw.recv(1)
+        except ConnectionResetError:  # ended with our bytes unread
+            end = b""
+        assert end == b""  # the receiver ended the connection
+    assert recv.dropped["oversized"] == 1
+    deliver(recv, push, layer_frames(KEY, seq=1))  # another connection still works
     assert cache[0][:, [8, 9]].eq(1).all()
+
+
+def test_a_channel_to_a_dead_receiver_drops_messages_and_reconnects(tcp_receiver):
+    """The prefill side never fails on a lost decode worker: the message is counted lost (the
+    decode side recomputes after its timeout), and a receiver back at the address is reached
+    again."""
+    recv, cache, push = tcp_receiver
+    deliver(recv, push, layer_frames(KEY, seq=1, dst=(8,)))
+    address = recv.address
+    recv.close()
+    for seq in range(2, 50):  # the first sends may still fill the kernel's buffers
+        push.send_multipart(layer_frames(KEY, seq=seq))
+    assert push.num_lost > 0
+    again = KVReceiver(1, cache, "tcp", address, None, LAYOUT, {"r": [2, 3]}.get, KEY, 64)
+    try:
+        push.next_try = 0.0  # no waiting out the reconnect pause in a test
+        deliver(again, push, layer_frames(KEY, seq=60, dst=(9,)))
+        assert cache[0][:, 9].eq(1).all()
+    finally:
+        again.close()

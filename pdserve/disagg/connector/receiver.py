@@ -2,7 +2,9 @@
 
 The receiver owns the decode worker's KV channel: it applies `tcp` layer frames to the cache and
 collects the `KVDone` / `KVAborted` signals for the step loop, which the connector turns into the
-scheduler's `RemoteKV` transitions.
+scheduler's `RemoteKV` transitions. The channel is a ZMQ PULL socket for `shm` (control messages
+only: the rows are in shared memory already) and plain TCP streams read by receive threads for
+`tcp` (`stream.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import zmq
 
 from pdserve.disagg.connector.base import CacheFactory, ConnectorReport, KVConnector, layout_of
+from pdserve.disagg.connector.stream import StreamReceiver
 from pdserve.disagg.connector.transports import transport_for
 from pdserve.disagg.protocol import (
     KVAborted,
@@ -68,12 +71,21 @@ class KVReceiver:
         self.key = key
         self.num_slots = kv_caches[0].shape[1]
         self.row_bytes = 2 * layout.num_kv_heads * layout.row_width * kv_caches[0].element_size()
+        self.dropped: Counter[str] = Counter()
+        self.sock: zmq.Socket | None = None
+        self.stream: StreamReceiver | None = None
+        if transport == KVTransportKind.TCP:
+            # A message larger than any transfer can need (one layer's rows of a whole
+            # context) ends its connection before anything is buffered.
+            self.stream = StreamReceiver(address, 8 * max_tokens, max_tokens * self.row_bytes)
+            self.stream.dropped = self.dropped  # framing errors count with the rest
+            self.address = self.stream.address
+            self._init_common()
+            return
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.LINGER, 0)
-        # A peer that sends a larger frame than any transfer can need is disconnected by ZMQ
-        # before it is buffered: one layer's rows of a whole context.
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_tokens * self.row_bytes + 4096)
         if address.startswith("tcp://") and address.endswith(":0"):
             self.sock.bind(address[: -len(":0")] + ":*")
@@ -83,19 +95,32 @@ class KVReceiver:
             if address.startswith("ipc://"):
                 os.chmod(address.removeprefix("ipc://"), 0o600)
         self.address = address
+        self._init_common()
+
+    def _init_common(self) -> None:
         self.decoder = msgspec.msgpack.Decoder(KVEnvelope)
         self.last_seq: OrderedDict[int, int] = OrderedDict()  # sender epoch -> last seq
-        self.dropped: Counter[str] = Counter()
 
     def endpoint(self) -> PeerEndpoint:
         return PeerEndpoint(
             self.worker_id, self.address, self.transport, self.shm_path, self.layout
         )
 
+    @property
+    def waker(self):
+        """What the worker loop polls to wake up for this channel (a ZMQ socket or a file)."""
+        return self.sock if self.sock is not None else self.stream
+
+    def _messages(self):
+        if self.stream is not None:
+            yield from self.stream.take()
+            return
+        while self.sock.poll(0):
+            yield [f.buffer for f in self.sock.recv_multipart(copy=False)]
+
     def poll(self) -> tuple[list[KVDone], list[KVAborted]]:
         done, aborted = [], []
-        while self.sock.poll(0):
-            frames = self.sock.recv_multipart(copy=False)
+        for frames in self._messages():
             try:
                 msg = self._open(frames)
                 if isinstance(msg, KVLayerHeader):
@@ -110,11 +135,11 @@ class KVReceiver:
 
     def _open(self, frames) -> KVDone | KVAborted | KVLayerHeader:
         """Check a message's tag, shape and freshness; returns what it carries."""
-        if len(frames) not in (1, 3) or len(frames[0].buffer) < MAC_BYTES:
+        if len(frames) not in (1, 3) or len(frames[0]) < MAC_BYTES:
             raise _Dropped("malformed", f"{len(frames)} frame(s)")
-        head = frames[0].buffer
-        slots = frames[1].buffer if len(frames) == 3 else b""
-        data_len = len(frames[2].buffer) if len(frames) == 3 else 0
+        head = frames[0]
+        slots = frames[1] if len(frames) == 3 else b""
+        data_len = len(frames[2]) if len(frames) == 3 else 0
         tag = mac(self.key, head[MAC_BYTES:], slots, data_len.to_bytes(8, "little"))
         if not hmac.compare_digest(tag, head[:MAC_BYTES]):
             raise _Dropped("bad_tag", "not signed by this deployment")
@@ -137,7 +162,7 @@ class KVReceiver:
         if block_ids is None:  # ended, and its blocks may be reused: drop
             raise _Dropped("unknown_request", header.request_id)
         n = header.num_tokens
-        slots_buf, rows_buf = frames[1].buffer, frames[2].buffer
+        slots_buf, rows_buf = frames[1], frames[2]
         if not (0 <= header.layer < len(self.kv_caches)) or n < 1:
             raise _Dropped("out_of_bounds", f"layer {header.layer}, {n} tokens")
         if len(slots_buf) != 8 * n or len(rows_buf) != n * self.row_bytes:
@@ -154,7 +179,11 @@ class KVReceiver:
         rows = torch.frombuffer(rows_buf, dtype=cache.dtype).view(
             2, n, cache.shape[2], cache.shape[3]
         )
-        cache.index_copy_(1, torch.from_numpy(dst), rows)
+        start = int(dst[0])
+        if int(dst[-1]) - start + 1 == n and (n == 1 or bool((dst[1:] > dst[:-1]).all())):
+            cache[:, start : start + n].copy_(rows)  # one stretch: a plain copy, 2x faster
+        else:
+            cache.index_copy_(1, torch.from_numpy(dst), rows)
 
     def _drop(self, reason: str, detail: str) -> None:
         self.dropped[reason] += 1
@@ -165,7 +194,10 @@ class KVReceiver:
             )
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        if self.stream is not None:
+            self.stream.close()
         if self.shm_path and os.path.exists(self.shm_path):
             os.unlink(self.shm_path)
 
@@ -209,7 +241,7 @@ class ReceivingConnector(KVConnector):
 
     @property
     def sockets(self) -> tuple:
-        return (self.receiver.sock,)
+        return (self.receiver.waker,)
 
     def poll(self, remote) -> tuple[list[EngineCoreOutput], bool]:
         num_dropped = self.receiver.dropped.total()

@@ -32,11 +32,12 @@ from pdserve.disagg.connector.base import (
     layout_of,
     seal,
 )
+from pdserve.disagg.connector.stream import StreamChannel
 from pdserve.disagg.connector.transports import transport_for
 from pdserve.disagg.protocol import KVAborted, KVDest, KVDone, KVEnvelope, KVLayout, PeerEndpoint
 from pdserve.ipc.messages import TransferStat
 from pdserve.request import Request
-from pdserve.types import EngineCoreOutput
+from pdserve.types import EngineCoreOutput, KVTransportKind
 
 logger = logging.getLogger("pdserve.disagg")
 
@@ -68,17 +69,18 @@ class _Transfer:
 @dataclass
 class _Peer:
     endpoint: PeerEndpoint
-    sock: zmq.Socket
+    sock: zmq.Socket | StreamChannel  # the ordered channel (tcp: a plain stream)
     writer: PeerWriter
     seal: Callable[..., bytes]  # the sender's: tag and sequence number
 
-    def send(self, msg, slots: np.ndarray | None = None, rows: np.ndarray | None = None) -> None:
-        """One sealed message on this peer's ordered channel (with a layer's slots and rows)."""
+    def send(self, msg, slots: np.ndarray | None = None, rows: list | None = None) -> None:
+        """One sealed message on this peer's ordered channel (with a layer's slots and its rows,
+        in one or more contiguous parts: a `StreamChannel` sends them one after the other)."""
         if slots is None:
             self.sock.send(self.seal(msg))
         else:
-            header = self.seal(msg, slots.tobytes(), rows.nbytes)
-            self.sock.send_multipart([header, slots, rows], copy=False)
+            header = self.seal(msg, slots.tobytes(), sum(r.nbytes for r in rows))
+            self.sock.send_multipart([header, slots, *rows], copy=False)
 
 
 class KVSender:
@@ -124,10 +126,13 @@ class KVSender:
         old = self.peers.pop(endpoint.worker_id, None)
         if old is not None:
             old.sock.close(linger=0)
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.LINGER, 2000)
-        sock.connect(endpoint.kv_address)
+        if endpoint.transport == KVTransportKind.TCP:
+            sock = StreamChannel(endpoint.kv_address)
+        else:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.connect(endpoint.kv_address)
         writer = transport_for(endpoint.transport).open_peer(endpoint, self.own)
         self.peers[endpoint.worker_id] = _Peer(endpoint, sock, writer, self._seal)
 

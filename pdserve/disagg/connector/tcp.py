@@ -1,8 +1,8 @@
-"""The `tcp` KV transport (across hosts): each layer's rows travel as zero-copy ZMQ frames.
+"""The `tcp` KV transport (across hosts): each layer's rows travel as one message on a TCP stream.
 
 A message is a `KVLayerHeader` (sealed with the slot list and the data length), the destination
-slots, and the rows; the decode worker's `KVReceiver` checks it and writes the rows into its cache
-between its own steps. The rows themselves are not tagged (that would cost more than the
+slots, and the rows (`stream.py` frames them); receive threads read it while the decode worker
+steps, and its `KVReceiver` checks it and writes the rows into its cache between its own steps. The rows themselves are not tagged (that would cost more than the
 transfer): see docs/ARCHITECTURE.md, "Security".
 """
 
@@ -17,8 +17,15 @@ from pdserve.types import KVTransportKind
 
 class TcpPeer:
     def write_layer(self, job: LayerJob, layer: int, own: torch.Tensor, send: Send) -> None:
-        rows = own.index_select(1, job.src).numpy()
-        send(KVLayerHeader(job.request_id, layer, len(job.dst)), job.dst.numpy(), rows)
+        """The rows go out from where they lie when the request's slots are one stretch (the
+        K half, then the V half), else gathered first."""
+        src, n = job.src, len(job.src)
+        if n and int(src[-1]) - int(src[0]) + 1 == n and bool((src[1:] > src[:-1]).all()):
+            start = int(src[0])
+            rows = [own[0, start : start + n].numpy(), own[1, start : start + n].numpy()]
+        else:
+            rows = [own.index_select(1, src).numpy()]
+        send(KVLayerHeader(job.request_id, layer, n), job.dst.numpy(), rows)
 
 
 class TcpTransport:
