@@ -248,6 +248,22 @@ def test_an_oversized_message_is_refused_before_it_is_buffered(tcp_receiver):
     assert cache[0][:, [8, 9]].eq(1).all()
 
 
+def test_a_message_cut_short_ends_its_connection_and_nothing_is_applied(tcp_receiver):
+    recv, cache, push = tcp_receiver
+    frames = layer_frames(KEY, seq=1)
+    whole = PREFIX.pack(len(frames[0]), len(frames[1]), len(frames[2])) + b"".join(frames)
+    with socket.create_connection(parse_address(recv.address)) as raw:
+        raw.sendall(whole[:-100])  # all but the last 100 bytes of the rows
+    deadline = time.monotonic() + 10
+    while recv.dropped["truncated"] == 0:
+        assert time.monotonic() < deadline, "the cut message was not counted"
+        time.sleep(0.01)
+    recv.poll()
+    assert not any(c.any() for c in cache)
+    deliver(recv, push, layer_frames(KEY, seq=2))  # the same rows, whole, from a channel
+    assert cache[0][:, [8, 9]].eq(1).all()
+
+
 def test_a_channel_to_a_dead_receiver_drops_messages_and_reconnects(tcp_receiver):
     """The prefill side never fails on a lost decode worker: the message is counted lost (the
     decode side recomputes after its timeout), and a receiver back at the address is reached
