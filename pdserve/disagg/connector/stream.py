@@ -58,6 +58,7 @@ class StreamReceiver:
         self.queue: deque[list[memoryview]] = deque()
         self.taken: list[list[memoryview]] = []  # handed out by the last `take`
         self.free: dict[int, list[np.ndarray]] = {}  # buffers to reuse, by size
+        self.pooled_bytes, self.max_pooled = 0, max_queued // 2
         self.queued_bytes = 0
         self.cond = threading.Condition()
         self.dropped: Counter[str] = Counter()  # connections ended for a framing error
@@ -81,8 +82,12 @@ class StreamReceiver:
             for msg in self.taken:
                 for part in msg[1:]:
                     pool = self.free.setdefault(len(part), [])
-                    if len(pool) < POOL_PER_SIZE:
+                    if (
+                        len(pool) < POOL_PER_SIZE
+                        and self.pooled_bytes + len(part) <= self.max_pooled
+                    ):
                         pool.append(part.obj)
+                        self.pooled_bytes += len(part)
             self.taken = list(self.queue)
             self.queue.clear()
             self.queued_bytes = 0
@@ -137,6 +142,7 @@ class StreamReceiver:
         with self.cond:
             pool = self.free.get(n)
             if pool:
+                self.pooled_bytes -= n
                 return pool.pop()
         return np.empty(n, dtype=np.uint8)  # not zeroed: every byte is received
 
@@ -158,9 +164,7 @@ class StreamReceiver:
         self._wake_w.close()
 
 
-def _recv_exactly(
-    conn: socket.socket, n: int, buf: np.ndarray | None = None
-) -> memoryview | None:
+def _recv_exactly(conn: socket.socket, n: int, buf: np.ndarray | None = None) -> memoryview | None:
     view = memoryview(np.empty(n, dtype=np.uint8) if buf is None else buf)
     got = 0
     while got < n:
