@@ -32,6 +32,8 @@ def place_threads(args: EngineArgs) -> PlacementMonitor | None:
     if args.num_threads:
         import torch
 
+        if cpu_placement.supported():
+            cpu_placement.unpin()  # N threads on the CPUs an earlier engine did not claim
         torch.set_num_threads(args.num_threads)
         return None
     if args.device != "cpu" or not cpu_placement.supported():

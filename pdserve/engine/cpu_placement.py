@@ -117,11 +117,29 @@ def choose(allowed: set[int], others_load: dict[int, float]) -> Placement:
     return Placement(free, len(free), others_load, pinned=len(free) < len(allowed))
 
 
+# The CPUs this process could use before pdserve first pinned it: a later engine in the same
+# process (offline use, tests) places itself among these, not among the previous one's pick.
+_UNPINNED: set[int] | None = None
+
+
+def unpinned() -> set[int]:
+    return set(_UNPINNED if _UNPINNED is not None else os.sched_getaffinity(0))
+
+
 def apply(placement: Placement) -> None:
     import torch
 
+    global _UNPINNED
+    if _UNPINNED is None:
+        _UNPINNED = set(os.sched_getaffinity(0))
     os.sched_setaffinity(0, placement.cpus)
     torch.set_num_threads(placement.num_threads)
+
+
+def unpin() -> None:
+    """Undo an earlier engine's pinning (before threads are set by hand, `--num-threads`)."""
+    if _UNPINNED is not None:
+        os.sched_setaffinity(0, _UNPINNED)
 
 
 def measure(allowed: set[int], ours=("self",), seconds: float = SAMPLE_S) -> Placement:
@@ -137,7 +155,7 @@ class PlacementMonitor:
     step_time_s)` after each step."""
 
     def __init__(self, allowed: set[int] | None = None) -> None:
-        self.allowed = set(allowed or os.sched_getaffinity(0))
+        self.allowed = set(allowed or unpinned())
         # At start the parent (a server's frontend) is busy loading too, only for now.
         self.placement = measure(self.allowed, ours=("self", os.getppid()))
         apply(self.placement)

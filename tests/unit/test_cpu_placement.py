@@ -91,3 +91,25 @@ def test_an_explicit_thread_count_turns_placement_off(tiny_models):
     finally:
         torch.set_num_threads(before)
         os.sched_setaffinity(0, cpus)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin to one")
+def test_an_explicit_thread_count_undoes_an_earlier_engines_pinning(tiny_models):
+    """Offline, engines come and go in one process: one pinned to a single CPU must not leave
+    the next one's N threads crowded on it (N OpenMP threads on one core made every small op
+    of a later test wait on a barrier, 50x slower)."""
+    from pdserve.config import EngineArgs
+    from pdserve.engine.core import place_threads
+
+    before, cpus = torch.get_num_threads(), os.sched_getaffinity(0)
+    everywhere = cpu_placement.unpinned()  # before any engine of this process pinned it
+    try:
+        one = min(everywhere)
+        cpu_placement.apply(cpu_placement.Placement((one,), 1, {}, pinned=True))
+        assert os.sched_getaffinity(0) == {one}
+        place_threads(EngineArgs(model=tiny_models["llama"], num_threads=2))
+        assert os.sched_getaffinity(0) == everywhere and torch.get_num_threads() == 2
+        assert cpu_placement.unpinned() == everywhere  # what a later placement chooses among
+    finally:
+        torch.set_num_threads(before)
+        os.sched_setaffinity(0, cpus)

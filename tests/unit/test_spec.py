@@ -229,6 +229,15 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 SAMPLED = [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 5}, {"top_p": 0.8}]
 
 
+@pytest.fixture
+def one_thread():
+    """Tens of thousands of ops on 8-token rows: no OpenMP regions around each."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def draws(logits, proposals, rows, n=10000):
     first, second = torch.zeros(8), torch.zeros(8)
     for _ in range(n):
@@ -241,7 +250,7 @@ def draws(logits, proposals, rows, n=10000):
 
 @pytest.mark.parametrize("params", SAMPLED)
 @pytest.mark.parametrize("proposer", ["point mass", "draft"])
-def test_sampled_verification_follows_the_models_distribution(params, proposer):
+def test_sampled_verification_follows_the_models_distribution(params, proposer, one_thread):
     """Over many draws, the first emitted token follows p_0, and the second (given the first
     proposal was kept) follows p_1, whatever the proposals and whatever distribution q a draft
     drew them from: a chi-square test at p = 0.001 for 8 categories (critical value 24.3)."""
