@@ -153,6 +153,8 @@ class ModelRunner:
         self.kv_caches = list(cache.unbind(0))  # per layer [2, num_slots, Hkv, D]
         self.sampler = Sampler(model_config.eos_token_ids)
         self.drafter = self._drafter(draft_layers)
+        if self.drafter is not None:
+            logger.info("speculative decoding: the draft is %s", self.drafter.name)
 
     def _load_draft(self, path, linear_backend, attention_backend, enforce_eager, quant, group):
         cfg = ModelConfig.from_pretrained(path)
