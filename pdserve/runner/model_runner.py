@@ -65,27 +65,7 @@ class StepInputs:
     rows: list[SamplingRow]
     # Requests with proposed tokens: (index in the plan, first row, end row) of their positions
     spec_rows: list[tuple[int, int, int]] = field(default_factory=list)
-
-
-def _one_token_rows(item) -> bool:
-    """Whether the item's tokens are laid out as one-token queries (the step's first group): a
-    decode, or a request verifying proposals (one query per position, each with its own
-    context length: the same attention as a decode)."""
-    return item.num_new_tokens == 1 or bool(item.spec_tokens)
-
-
-def _first_rows(plan: SchedulerOutput) -> list[int]:
-    """Where each scheduled request's tokens start in the step's flat hidden states: the
-    one-token items (decodes, verifications) first, then the chunks, each group in plan order
-    (`prepare`)."""
-    rows = [0] * len(plan.scheduled)
-    row = 0
-    for single in (True, False):
-        for i, item in enumerate(plan.scheduled):
-            if _one_token_rows(item) == single:
-                rows[i] = row
-                row += item.num_new_tokens
-    return rows
+    first_rows: list[int] = field(default_factory=list)  # each item's first row, in plan order
 
 
 class ModelRunner:
@@ -296,12 +276,13 @@ class ModelRunner:
         per position (its last token, then each proposal), each with its own context length."""
         items = plan.scheduled
         runs: list[tuple[list[int], int, list[int]]] = []
-        last_run = [0] * len(items)
+        first_run, last_run = [0] * len(items), [0] * len(items)
         spec_runs = []
         for i, item in enumerate(items):
             req = item.request
             n = req.num_computed_tokens
             table = block_tables[req.request_id]
+            first_run[i] = len(runs)
             if item.spec_tokens:
                 first = len(runs)
                 runs.append((table, n, [req.all_token_ids[n]]))
@@ -322,6 +303,7 @@ class ModelRunner:
             ),
             rows=rows,
             spec_rows=[(i, last_row[a], last_row[b - 1] + 1) for i, a, b in spec_runs],
+            first_rows=[last_row[r] - len(runs[r][2]) + 1 for r in first_run],
         )
 
     def _sampling_row(self, req: Request) -> SamplingRow:
@@ -343,7 +325,7 @@ class ModelRunner:
         draft_probs = self._draft(plan, block_tables)
         inputs = self.prepare(plan, block_tables)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        prompt_logprobs = self._prompt_logprobs(plan, hidden)
+        prompt_logprobs = self._prompt_logprobs(plan, hidden, inputs.first_rows)
         speculated = self._verify(plan, inputs.spec_rows, hidden, draft_probs)
         if not inputs.rows:
             return StepResult([], [], prompt_logprobs, speculated)
@@ -410,12 +392,12 @@ class ModelRunner:
         return TokenMasks([i for i, _ in constrained], bitmask)
 
     def _prompt_logprobs(
-        self, plan: SchedulerOutput, hidden: torch.Tensor
+        self, plan: SchedulerOutput, hidden: torch.Tensor, first_rows: list[int]
     ) -> dict[str, tuple[int, list[Logprob]]]:
         """Logprobs of the prompt tokens this step's chunks predict (position p scores token
         p + 1), for the requests that asked for them."""
         out: dict[str, tuple[int, list[Logprob]]] = {}
-        for item, row in zip(plan.scheduled, _first_rows(plan)):
+        for item, row in zip(plan.scheduled, first_rows):
             req, start = item.request, item.request.num_computed_tokens
             k = req.sampling_params.prompt_logprobs
             last = min(start + item.num_new_tokens, req.num_prompt_tokens - 1)

@@ -129,11 +129,11 @@ def test_stateful_sampling_speculates_and_equals_plain_decoding(
             repetition_penalty=1.3,
             frequency_penalty=0.2,
             presence_penalty=0.1,
-        ),  # fmt: skip
+        ),
         SamplingParams(temperature=0, max_tokens=80, min_tokens=40),
         SamplingParams(
             temperature=0, max_tokens=60, grammar=grammars.regex_grammar(r"( [a-z]+[,.]?){3,40}")
-        ),  # fmt: skip
+        ),
         SamplingParams(
             temperature=0.9,
             max_tokens=60,
@@ -141,7 +141,7 @@ def test_stateful_sampling_speculates_and_equals_plain_decoding(
             logprobs=2,
             ignore_eos=True,
             repetition_penalty=1.1,
-        ),  # fmt: skip
+        ),
     ]
     proposed = 0
     for params in cases:

@@ -282,3 +282,24 @@ def test_a_channel_to_a_dead_receiver_drops_messages_and_reconnects(tcp_receiver
         assert cache[0][:, 9].eq(1).all()
     finally:
         again.close()
+
+
+def test_connections_beyond_the_limit_are_refused_and_counted(tcp_receiver, monkeypatch):
+    """Each connection has a receive thread: a peer cannot open them without bound."""
+    from pdserve.disagg.connector import stream
+
+    recv, cache, push = tcp_receiver
+    monkeypatch.setattr(stream, "MAX_CONNECTIONS", 2)
+    deliver(recv, push, layer_frames(KEY, seq=1))  # one open: the channel's
+    extra = [socket.create_connection(parse_address(recv.address)) for _ in range(3)]
+    try:
+        deadline = time.monotonic() + 10
+        while recv.dropped["too_many_connections"] < 2:
+            assert time.monotonic() < deadline, "the extra connections were not refused"
+            time.sleep(0.01)
+        assert recv.dropped["too_many_connections"] == 2
+        deliver(recv, push, layer_frames(KEY, seq=2, dst=(10,)))  # the channel still works
+        assert cache[0][:, 10].eq(1).all()
+    finally:
+        for c in extra:
+            c.close()

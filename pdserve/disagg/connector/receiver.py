@@ -21,7 +21,7 @@ import torch
 import zmq
 
 from pdserve.disagg.connector.base import CacheFactory, ConnectorReport, KVConnector, layout_of
-from pdserve.disagg.connector.stream import StreamReceiver
+from pdserve.disagg.connector.stream import StreamReceiver, stretch_start
 from pdserve.disagg.connector.transports import transport_for
 from pdserve.disagg.protocol import (
     KVAborted,
@@ -72,34 +72,25 @@ class KVReceiver:
         self.num_slots = kv_caches[0].shape[1]
         self.row_bytes = 2 * layout.num_kv_heads * layout.row_width * kv_caches[0].element_size()
         self.dropped: Counter[str] = Counter()
+        self.decoder = msgspec.msgpack.Decoder(KVEnvelope)
+        self.last_seq: OrderedDict[int, int] = OrderedDict()  # sender epoch -> last seq
+        # A message larger than any transfer can need (one layer's rows of a whole context)
+        # is refused before it is buffered.
+        max_rows = max_tokens * self.row_bytes
         self.sock: zmq.Socket | None = None
         self.stream: StreamReceiver | None = None
         if transport == KVTransportKind.TCP:
-            # A message larger than any transfer can need (one layer's rows of a whole
-            # context) ends its connection before anything is buffered.
-            self.stream = StreamReceiver(address, 8 * max_tokens, max_tokens * self.row_bytes)
-            self.stream.dropped = self.dropped  # framing errors count with the rest
+            self.stream = StreamReceiver(address, 8 * max_tokens, max_rows, dropped=self.dropped)
             self.address = self.stream.address
-            self._init_common()
-            return
-        self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.PULL)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max_tokens * self.row_bytes + 4096)
-        if address.startswith("tcp://") and address.endswith(":0"):
-            self.sock.bind(address[: -len(":0")] + ":*")
-            address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         else:
+            self.sock = zmq.Context.instance().socket(zmq.PULL)
+            self.sock.setsockopt(zmq.RCVHWM, 0)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.MAXMSGSIZE, max_rows + 4096)
             self.sock.bind(address)
             if address.startswith("ipc://"):
                 os.chmod(address.removeprefix("ipc://"), 0o600)
-        self.address = address
-        self._init_common()
-
-    def _init_common(self) -> None:
-        self.decoder = msgspec.msgpack.Decoder(KVEnvelope)
-        self.last_seq: OrderedDict[int, int] = OrderedDict()  # sender epoch -> last seq
+            self.address = address
 
     def endpoint(self) -> PeerEndpoint:
         return PeerEndpoint(
@@ -179,8 +170,8 @@ class KVReceiver:
         rows = torch.frombuffer(rows_buf, dtype=cache.dtype).view(
             2, n, cache.shape[2], cache.shape[3]
         )
-        start = int(dst[0])
-        if int(dst[-1]) - start + 1 == n and (n == 1 or bool((dst[1:] > dst[:-1]).all())):
+        start = stretch_start(dst)
+        if start is not None:
             cache[:, start : start + n].copy_(rows)  # one stretch: a plain copy, 2x faster
         else:
             cache.index_copy_(1, torch.from_numpy(dst), rows)

@@ -14,7 +14,8 @@ worker's bookkeeping needs (a request's rows before its `KVDone`).
   the cache. A message whose declared lengths exceed the limits ends its connection before
   anything is buffered (a stream cannot be resynchronised), as does a truncated one; queued
   bytes are bounded (`max_queued`), beyond which readers wait (TCP's flow control slows the
-  sender). `fileno()` is a wake-up descriptor the worker loop polls.
+  sender); at most `MAX_CONNECTIONS` connections are open at once (each has a thread), more
+  are refused and counted. `fileno()` is a wake-up descriptor the worker loop polls.
 - `StreamChannel` (prefill worker): one connection, (re)opened on demand; a send that fails
   (the decode worker died or restarted) drops the message and is counted, never raised: the
   decode side gives up on the KV after its timeout and recomputes.
@@ -39,6 +40,18 @@ MAX_HEADER = 1 << 16  # a sealed envelope is a few hundred bytes
 RECONNECT_EVERY_S = 1.0
 SOCKET_BUFFER = 4 << 20  # asked of the kernel per direction (it may cap it)
 POOL_PER_SIZE = 32  # received buffers kept for reuse, per size
+MAX_CONNECTIONS = 64  # prefill workers (and reconnects) one decode worker takes at once
+
+
+def stretch_start(slots: np.ndarray) -> int | None:
+    """The first slot when `slots` are consecutive (one stretch of the cache), else None."""
+    n = len(slots)
+    if n == 0:
+        return None
+    start = int(slots[0])
+    if int(slots[-1]) - start + 1 != n or (n > 1 and not bool((slots[1:] > slots[:-1]).all())):
+        return None
+    return start
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -49,7 +62,7 @@ def parse_address(address: str) -> tuple[str, int]:
 
 class StreamReceiver:
     def __init__(self, address: str, max_slots_bytes: int, max_rows_bytes: int,
-                 max_queued: int = 512 << 20) -> None:  # fmt: skip
+                 max_queued: int = 512 << 20, dropped: Counter | None = None) -> None:  # fmt: skip
         host, port = parse_address(address)
         self.listener = socket.create_server((host, port))
         self.address = f"tcp://{host}:{self.listener.getsockname()[1]}"
@@ -61,7 +74,8 @@ class StreamReceiver:
         self.pooled_bytes, self.max_pooled = 0, max_queued // 2
         self.queued_bytes = 0
         self.cond = threading.Condition()
-        self.dropped: Counter[str] = Counter()  # connections ended for a framing error
+        # connections ended for a framing error, or refused beyond MAX_CONNECTIONS
+        self.dropped: Counter[str] = Counter() if dropped is None else dropped
         self.closed = False
         self.conns: set[socket.socket] = set()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -100,6 +114,10 @@ class StreamReceiver:
                 conn, _ = self.listener.accept()
             except OSError:
                 return
+            if len(self.conns) >= MAX_CONNECTIONS:  # one thread each: bounded
+                self._end("too_many_connections", f"{MAX_CONNECTIONS} open already")
+                conn.close()
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
             self.conns.add(conn)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.disagg.connector.base import LayerJob, Send
+from pdserve.disagg.connector.stream import stretch_start
 from pdserve.disagg.protocol import KVLayerHeader, PeerEndpoint
 from pdserve.types import KVTransportKind
 
@@ -19,12 +20,12 @@ class TcpPeer:
     def write_layer(self, job: LayerJob, layer: int, own: torch.Tensor, send: Send) -> None:
         """The rows go out from where they lie when the request's slots are one stretch (the
         K half, then the V half), else gathered first."""
-        src, n = job.src, len(job.src)
-        if n and int(src[-1]) - int(src[0]) + 1 == n and bool((src[1:] > src[:-1]).all()):
-            start = int(src[0])
+        n = len(job.src)
+        start = stretch_start(job.src.numpy())
+        if start is not None:
             rows = [own[0, start : start + n].numpy(), own[1, start : start + n].numpy()]
         else:
-            rows = [own.index_select(1, src).numpy()]
+            rows = [own.index_select(1, job.src).numpy()]
         send(KVLayerHeader(job.request_id, layer, n), job.dst.numpy(), rows)
 
 
