@@ -105,5 +105,8 @@ def run(args: argparse.Namespace) -> int:
             h11_max_incomplete_event_size=config.max_header_bytes,
         )
     )
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
+        return 130
     return 0

@@ -30,7 +30,24 @@ def _slo(text: str) -> str:
     return text
 
 
+def parse_labels(text: str) -> dict[str, str]:
+    """`KEY=VALUE,...` (Ray node labels) as a dict; a clear error for anything else."""
+    labels = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip() or not value.strip():
+            raise ValueError(f"node labels are KEY=VALUE[,KEY=VALUE...], not {text!r}")
+        labels[key.strip()] = value.strip()
+    return labels
+
+
+def _labels(text: str) -> str:
+    parse_labels(text)
+    return text
+
+
 DISAGG_GROUP = "disaggregation (prefill and decode worker pools)"
+CLUSTER_GROUP = "cluster (workers as Ray actors; pip install -e '.[ray]')"
 
 
 @dataclass(frozen=True)
@@ -53,7 +70,8 @@ class DisaggConfig:
     )
     kv_transport: KVTransportKind = setting(
         KVTransportKind.SHM,
-        help="how KV moves from prefill to decode workers (shm: one host, tcp: across hosts)",
+        help="how KV moves from prefill to decode workers (shm: one host, tcp: across hosts; "
+        "always tcp with --ray-address)",
     )
     kv_host: str = setting("127.0.0.1", help="address decode workers bind their TCP KV channel to")
     kv_transfer_timeout_s: float = setting(
@@ -109,8 +127,52 @@ class DisaggConfig:
         checks=(POSITIVE,),
     )
 
+    ray_address: str | None = setting(
+        None,
+        metavar="auto|HOST:PORT",
+        group=CLUSTER_GROUP,
+        help="start the workers as Ray actors on this cluster (auto: the one `ray start` runs "
+        "here); the frontend stays in this process and KV moves over tcp",
+    )
+    ray_cpus_per_worker: float = setting(
+        1.0,
+        metavar="N",
+        group=CLUSTER_GROUP,
+        help="CPUs each worker actor reserves (and its thread count, unless --num-threads)",
+        checks=(POSITIVE,),
+    )
+    ray_gpus_per_worker: float = setting(
+        0.0,
+        metavar="N",
+        group=CLUSTER_GROUP,
+        help="GPUs each worker actor reserves (Ray sets its CUDA_VISIBLE_DEVICES)",
+        checks=(at_least(0),),
+    )
+    ray_prefill_labels: str = setting(
+        "",
+        parse=_labels,
+        metavar="KEY=VALUE,...",
+        group=CLUSTER_GROUP,
+        help="place prefill workers on nodes with these labels (`ray start --labels`)",
+    )
+    ray_decode_labels: str = setting(
+        "",
+        parse=_labels,
+        metavar="KEY=VALUE,...",
+        group=CLUSTER_GROUP,
+        help="place decode (and colocated) workers on nodes with these labels",
+    )
+
     def __post_init__(self) -> None:
         check_settings(self)
+        for name in ("ray_prefill_labels", "ray_decode_labels"):
+            try:
+                parse_labels(getattr(self, name))
+            except ValueError as e:
+                require(False, name, getattr(self, name), str(e))
+        if self.ray_address and self.kv_transport == KVTransportKind.SHM:
+            # shared memory reaches one host only; a cluster's workers may be on any node
+            object.__setattr__(self, "kv_transport", KVTransportKind.TCP)
         require(
             self.pd_ratio == RoleControl.STATIC or self.num_workers >= 2,
             "pd_ratio",
@@ -137,7 +199,15 @@ def worker_specs(
     args: EngineArgs, disagg: DisaggConfig
 ) -> list[tuple[Role, EngineArgs, str | None]]:
     """(role, engine args, CPU set) of every worker, prefill workers first. With no prefill
-    workers the decode workers are colocated ones (role both)."""
+    workers the decode workers are colocated ones (role both). On a Ray cluster a worker runs
+    as many threads as the CPUs its actor reserves (this host's CPU sets mean nothing there)."""
+    if disagg.ray_address:
+        threads = args.num_threads or max(1, int(disagg.ray_cpus_per_worker))
+        local = replace(disagg, ray_address=None, prefill_cpus=(), decode_cpus=())
+        return [
+            (role, replace(a, num_threads=a.num_threads or threads), None)
+            for role, a, _ in worker_specs(args, local)
+        ]
     if disagg.num_workers == 1:
         cpus = disagg.decode_cpus[0] if disagg.decode_cpus else None
         return [(Role.BOTH, args, cpus)]

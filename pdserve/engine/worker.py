@@ -1,7 +1,8 @@
 """The engine worker process: one EngineCore stepped in a loop, driven over ZMQ.
 
 Started by the frontend as `python -m pdserve.engine.worker` with its engine arguments as JSON;
-it connects to the frontend's sockets, reports `WorkerInfo` when the model is loaded, then
+it binds its control channel (`--input`), connects to the frontend's output channel, reports
+`WorkerInfo` (with where its control channel listens) when the model is loaded, then
 alternates between draining control messages and stepping; it blocks on its sockets only when it
 has no work. A fatal error is reported, then the process exits non-zero.
 
@@ -30,6 +31,7 @@ from pdserve.ipc.channel import (
     Decoder,
     Encoder,
     RuntimeDirs,
+    bound_address,
     make_socket,
     secret_from_env,
 )
@@ -90,7 +92,7 @@ class Worker:
         )
         self.ctx = zmq.Context()
         self.out_sock = make_socket(self.ctx, zmq.PUSH, output_addr, bind=False)
-        self.in_sock = make_socket(self.ctx, zmq.PULL, input_addr, bind=False)
+        self.in_sock = make_socket(self.ctx, zmq.PULL, input_addr, bind=True)
         self.encode = Encoder(key)  # the deployment secret authenticates every channel
         self.decode = Decoder(ToWorker, key)
         self.num_bad_frames = 0
@@ -122,6 +124,7 @@ class Worker:
                 pid=os.getpid(),
                 layout=layout_of(core),
                 kv_endpoint=self.connector.endpoint(),
+                input_endpoint=bound_address(self.in_sock),
             )
         )
 
@@ -298,7 +301,7 @@ def pin_cpus(cpus: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="pdserve engine worker (started by the frontend)")
     p.add_argument("--engine-args", required=True, help="EngineArgs as JSON")
-    p.add_argument("--input", required=True)
+    p.add_argument("--input", required=True, help="where to bind the control channel")
     p.add_argument("--output", required=True)
     p.add_argument("--role", default=Role.BOTH, type=Role, choices=list(Role))
     p.add_argument("--worker-id", type=int, default=0)

@@ -93,14 +93,18 @@ class Deployment:
         ]
 
     def report(self) -> dict:
-        """What GET /deployment shows."""
+        """What GET /deployment shows: each worker's role and where it runs."""
         if self.roles is None:
             workers = [
                 {"id": w.worker_id, "role": str(w.role), "alive": w.alive}
                 for w in self.pool.workers
             ]
-            return {"control": str(RoleControl.STATIC), "workers": workers}
-        return self.roles.report(self._view())
+            out = {"control": str(RoleControl.STATIC), "workers": workers}
+        else:
+            out = self.roles.report(self._view())
+        for row, w in zip(out["workers"], self.pool.workers):
+            row["placement"] = w.where
+        return out
 
     def set_split(self, num_prefill: int, reason: str = "operator request") -> dict:
         """Give `num_prefill` live workers the prefill role and the rest the decode role (or

@@ -25,7 +25,12 @@ from pdserve.disagg.router import Router
 from pdserve.frontend.deployment import Deployment
 from pdserve.frontend.output_processor import OutputProcessor
 from pdserve.ipc.messages import AddRequest, FinishRequests, StepOutputs, WorkerError, WorkerInfo
-from pdserve.pools.worker_pool import WorkerHandle, WorkerPool, WorkerSpec
+from pdserve.pools.worker_pool import (
+    LocalProcessBackend,
+    WorkerHandle,
+    WorkerPool,
+    WorkerSpec,
+)
 from pdserve.types import (
     EngineCoreOutput,
     RequestOutput,
@@ -50,6 +55,21 @@ class RequestRejected(ValueError):
         self.param = param
 
 
+def worker_backend(disagg: DisaggConfig):
+    """Where the workers run: local subprocesses, or Ray actors with `--ray-address`."""
+    if not disagg.ray_address:
+        return LocalProcessBackend(disagg.kv_host)
+    from pdserve.pools.ray_backend import RayBackend
+
+    return RayBackend(
+        disagg.ray_address,
+        cpus_per_worker=disagg.ray_cpus_per_worker,
+        gpus_per_worker=disagg.ray_gpus_per_worker,
+        prefill_labels=disagg.ray_prefill_labels,
+        decode_labels=disagg.ray_decode_labels,
+    )
+
+
 @dataclass
 class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -69,7 +89,7 @@ class EngineClient:
         self.queue_timeout_s = queue_timeout_s
         self.metrics = metrics
         self.pool = WorkerPool(
-            specs, kv_transport=disagg.kv_transport, kv_host=disagg.kv_host, metrics=metrics
+            specs, kv_transport=disagg.kv_transport, backend=worker_backend(disagg), metrics=metrics
         )
         self.handoffs = HandoffCoordinator(
             self.pool.send,

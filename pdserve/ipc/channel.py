@@ -136,11 +136,19 @@ def private_file(directory: str | None, prefix: str, size: int) -> str:
     return path
 
 
+# The largest control frame a TCP channel accepts: a peer that is not of this deployment can
+# reach a TCP port, and ZMQ would otherwise buffer whatever size it announces before the tag
+# is checked. Far above any real frame (a prompt is at most max_model_len token ids).
+MAX_TCP_FRAME_BYTES = 256 << 20
+
+
 def make_socket(ctx: zmq.Context | zmq.asyncio.Context, kind: int, address: str, bind: bool):
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     if kind in (zmq.PUSH, zmq.PULL):
         sock.setsockopt(zmq.SNDHWM if kind == zmq.PUSH else zmq.RCVHWM, 0)
+    if address.startswith("tcp://") and kind == zmq.PULL:
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_TCP_FRAME_BYTES)
     if bind:
         sock.bind(address)
         if address.startswith("ipc://"):
@@ -149,3 +157,8 @@ def make_socket(ctx: zmq.Context | zmq.asyncio.Context, kind: int, address: str,
     else:
         sock.connect(address)
     return sock
+
+
+def bound_address(sock) -> str:
+    """The address a bound socket listens on (a TCP port 0 bind resolved to its port)."""
+    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()

@@ -74,6 +74,7 @@ class WorkerInfo(msgspec.Struct, tag=True):
     pid: int
     layout: KVLayout
     kv_endpoint: PeerEndpoint | None = None  # decode role: where prefill workers send KV
+    input_endpoint: str = ""  # the control channel it bound: the frontend connects here
 
 
 class StepStatsMsg(msgspec.Struct, array_like=True):

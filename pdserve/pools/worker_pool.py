@@ -4,8 +4,12 @@ The pool owns the deployment's runtime directory and secret, the output channel 
 pushes to, and one input channel per worker. It knows nothing of requests: the client routes
 them and the `HandoffCoordinator` coordinates handoffs; the pool says who is alive.
 
-How a worker process is started is a `WorkerBackend`: local subprocesses today
-(`LocalProcessBackend`); a cluster backend would start the same command elsewhere.
+Where a worker process runs is a `WorkerBackend`: a local subprocess (`LocalProcessBackend`, the
+default) or a Ray actor on some node of a cluster (`pdserve.pools.ray_backend`). Either way the
+worker is the same command; it binds its own input channel (a unix socket in the deployment's
+private directory, or a TCP port on its node for a cluster) and reports where in its
+`WorkerInfo`, and the frontend connects to it then. Only the frontend's output channel is bound
+by the frontend. Every frame on either is authenticated by the deployment's secret.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pdserve.ipc.channel import (
     Decoder,
     Encoder,
     RuntimeDirs,
+    bound_address,
     make_socket,
     new_secret,
 )
@@ -66,14 +71,44 @@ class WorkerProcess(Protocol):
     def wait(self) -> int: ...
 
 
+class Placement(Protocol):
+    """Where one worker will run, chosen before its command line is written."""
+
+    host: str  # the address its TCP channels bind to (its node's, for a cluster)
+    where: dict  # for GET /deployment: the node and process that hold it
+
+    def start(self, argv: list[str], env: dict[str, str]) -> WorkerProcess:
+        """Start `python -m pdserve.engine.worker *argv` there; `env` adds to its environment."""
+
+
 class WorkerBackend(Protocol):
-    def launch(self, argv: list[str], env: dict[str, str]) -> WorkerProcess:
-        """Start `python -m pdserve.engine.worker *argv` with `env`."""
+    remote: bool  # workers may run on other hosts: every channel is TCP
+    host: str  # with `remote`: the frontend's address, reachable from every node
+
+    def place(self, worker_id: int, spec: WorkerSpec) -> Placement: ...
+
+
+@dataclass
+class LocalPlacement:
+    host: str
+    where: dict
+
+    def start(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "pdserve.engine.worker", *argv], env={**os.environ, **env}
+        )
 
 
 class LocalProcessBackend:
-    def launch(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "pdserve.engine.worker", *argv], env=env)
+    """Workers as subprocesses of the frontend, on this host."""
+
+    remote = False
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host  # where decode workers bind a TCP KV channel
+
+    def place(self, worker_id: int, spec: WorkerSpec) -> LocalPlacement:
+        return LocalPlacement(self.host, {"backend": "local"})
 
 
 @dataclass
@@ -81,7 +116,8 @@ class WorkerHandle:
     worker_id: int
     spec: WorkerSpec
     proc: WorkerProcess
-    sock: zmq.asyncio.Socket
+    where: dict
+    sock: zmq.asyncio.Socket | None = None  # to its input channel, once it reported in
     info: WorkerInfo | None = None
     state: WorkerState | None = None
     alive: bool = True
@@ -99,20 +135,20 @@ class WorkerPool:
         specs: list[WorkerSpec],
         *,
         kv_transport: KVTransportKind = KVTransportKind.SHM,
-        kv_host: str = "127.0.0.1",
         backend: WorkerBackend | None = None,
         metrics=None,
     ) -> None:
         self.specs = specs
         self.kv_transport = KVTransportKind(kv_transport)
-        self.kv_host = kv_host  # where decode workers bind their TCP KV channel
         self.backend = backend or LocalProcessBackend()
+        if self.backend.remote and self.kv_transport == KVTransportKind.SHM:
+            raise ValueError("workers on a cluster move KV over tcp, not shm")
         self.metrics = metrics
         self.ctx = zmq.asyncio.Context()
         self.dirs = RuntimeDirs()  # private; removed in `shutdown`
         self.secret = new_secret()  # authenticates every channel of this deployment
-        self.output_addr = self.dirs.address("out")
-        self.pull = make_socket(self.ctx, zmq.PULL, self.output_addr, bind=True)
+        self.pull = make_socket(self.ctx, zmq.PULL, self._address("out", None), bind=True)
+        self.output_addr = bound_address(self.pull)
         self.encode = Encoder(self.secret)
         self.decoder = Decoder(FromWorker, self.secret)
         self.num_bad_frames = 0
@@ -125,14 +161,20 @@ class WorkerPool:
         if not self.workers:
             self.workers = [self._launch(i, spec) for i, spec in enumerate(self.specs)]
 
+    def _address(self, name: str, host: str | None) -> str:
+        """Where a channel binds: a unix socket here, or a TCP port on `host` (the frontend's
+        own for None) when workers may be elsewhere."""
+        if self.backend.remote:
+            return f"tcp://{host or self.backend.host}:0"
+        return self.dirs.address(name)
+
     def _launch(self, worker_id: int, spec: WorkerSpec) -> WorkerHandle:
-        input_addr = self.dirs.address(f"in{worker_id}")
-        sock = make_socket(self.ctx, zmq.PUSH, input_addr, bind=True)
+        place = self.backend.place(worker_id, spec)
         argv = [
             "--engine-args",
             msgspec.json.encode(spec.args).decode(),
             "--input",
-            input_addr,
+            self._address(f"in{worker_id}", place.host),
             "--output",
             self.output_addr,
             "--role",
@@ -148,13 +190,21 @@ class WorkerPool:
             kv_addr = (
                 self.dirs.address(f"kv{worker_id}")
                 if self.kv_transport == KVTransportKind.SHM
-                else f"tcp://{self.kv_host}:0"
+                else f"tcp://{place.host}:0"
             )
             argv += ["--kv-address", kv_addr]
         if spec.cpus:
             argv += ["--cpus", spec.cpus]
-        env = {**os.environ, **self.dirs.env(), SECRET_ENV: self.secret.hex()}
-        return WorkerHandle(worker_id, spec, self.backend.launch(argv, env), sock)
+        env = {**self.dirs.env(), SECRET_ENV: self.secret.hex()}
+        proc = place.start(argv, env)
+        return WorkerHandle(worker_id, spec, proc, {**place.where, "pid": proc.pid})
+
+    def _connect(self, w: WorkerHandle, info: WorkerInfo) -> None:
+        """A worker reported in: accept its info and connect to its input channel."""
+        if w.sock is not None:
+            w.sock.close()
+        w.info = info
+        w.sock = make_socket(self.ctx, zmq.PUSH, info.input_endpoint, bind=False)
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Wait for every worker's `WorkerInfo`, then check they agree on the KV layout."""
@@ -175,7 +225,7 @@ class WorkerPool:
             if await self.pull.poll(200):
                 msg = self.receive(await self.pull.recv())
                 if isinstance(msg, WorkerInfo) and msg.worker_id in pending:
-                    self.workers[msg.worker_id].info = msg
+                    self._connect(self.workers[msg.worker_id], msg)
                     pending.discard(msg.worker_id)
                 elif isinstance(msg, WorkerError):
                     raise RuntimeError(msg.message)
@@ -233,7 +283,7 @@ class WorkerPool:
     # ---- messages --------------------------------------------------------------------------
     def send(self, worker_id: int, msg) -> None:
         w = self.workers[worker_id]
-        if w.alive:
+        if w.alive and w.sock is not None:
             w.sock.send(self.encode(msg))  # PUSH with no HWM: never blocks
 
     def receive(self, frame: bytes):
@@ -272,8 +322,10 @@ class WorkerPool:
     async def restart(self, old: WorkerHandle, delay_s: float = 0.5) -> None:
         """Start a dead worker again; it counts as alive once its `WorkerInfo` is accepted."""
         await asyncio.sleep(delay_s)
-        old.sock.close()
-        new = self._launch(old.worker_id, old.spec)
+        if old.sock is not None:
+            old.sock.close()
+        # placing a worker on a cluster waits for the cluster: not on the event loop
+        new = await asyncio.to_thread(self._launch, old.worker_id, old.spec)
         new.alive, new.restarting, new.role = False, True, old.role
         self.workers[old.worker_id] = new
 
@@ -285,7 +337,8 @@ class WorkerPool:
         if diff:
             logger.error("restarted worker %d has a different KV layout: %s", w.worker_id, diff)
             return None
-        w.info, w.alive, w.restarting = info, True, False
+        self._connect(w, info)
+        w.alive, w.restarting = True, False
         self.announce_peers()
         return w
 
@@ -302,7 +355,7 @@ class WorkerPool:
         """Ask every worker to stop; kill those still running after `grace_s`."""
         self.closing = True
         for w in self.workers:
-            if w.alive:
+            if w.alive and w.sock is not None:
                 with contextlib.suppress(zmq.ZMQError):
                     await w.sock.send(self.encode(Shutdown()))
         deadline = time.monotonic() + grace_s
@@ -317,7 +370,8 @@ class WorkerPool:
     def close(self) -> None:
         """Close the channels and remove the runtime directories (after `stop`)."""
         for w in self.workers:
-            w.sock.close()
+            if w.sock is not None:
+                w.sock.close()
         self.pull.close()
         self.ctx.term()
         self.dirs.remove()

@@ -29,6 +29,7 @@ FAULTS_DIR = Path(__file__).parent / "faults"
 # step, and a file whose existence holds back the start of a (re)started decode worker.
 FAULT_PREFILL_DELAY = "PDSERVE_FAULT_PREFILL_DELAY_S"
 FAULT_DECODE_START_GATE = "PDSERVE_FAULT_DECODE_START_GATE"
+FAULT_DECODE_DELAY = "PDSERVE_FAULT_DECODE_DELAY_S"
 
 
 def _sum(text: str, name: str, labels: str = "") -> float:
@@ -134,7 +135,7 @@ class Server:
 
     def worker_pids(self) -> dict[tuple[str, int], int]:
         """(role, worker id) -> pid of every engine worker process (the server's children).
-        The server does not publish PIDs; the tests find them the way an operator would."""
+        Found from /proc, the way an operator would (GET /deployment names them too)."""
         found = {}
         for entry in os.listdir("/proc"):
             if not entry.isdigit():

@@ -92,6 +92,12 @@ def test_greedy_outputs_equal_colocated_streaming_and_not(disagg, offline):
     disagg.wait_idle()
 
 
+def test_deployment_names_each_workers_process(disagg):
+    workers = httpx.get(disagg.url + "/deployment", timeout=10).json()["workers"]
+    assert [w["placement"]["backend"] for w in workers] == ["local", "local"]
+    assert {(w["role"], w["id"]): w["placement"]["pid"] for w in workers} == disagg.worker_pids()
+
+
 def test_n2_seeded_sampling_equals_colocated(disagg, offline):
     want = expected(offline, STORY, n=2, temperature=1.0, seed=7, max_tokens=24)
     got = completion(disagg, STORY, n=2, temperature=1.0, seed=7, max_tokens=24)

@@ -125,6 +125,31 @@ def test_worker_specs_per_pool_overrides_and_cpus():
     assert specs[1][1].max_num_batched_tokens == 2048
 
 
+def test_ray_placement_settings():
+    """On a cluster: KV over tcp, a worker's threads are its actor's CPUs (unless set), and
+    this host's CPU sets are not passed on."""
+    from pdserve.config import DisaggConfig, worker_specs
+    from pdserve.config.disagg import parse_labels
+
+    assert parse_labels(" pool = prefill ,zone=a") == {"pool": "prefill", "zone": "a"}
+    assert parse_labels("") == {}
+    d = DisaggConfig(
+        num_prefill_workers=1,
+        ray_address="auto",
+        ray_cpus_per_worker=4,
+        prefill_cpus=("0",),
+    )
+    assert d.kv_transport == "tcp"
+    specs = worker_specs(EngineArgs(model="m"), d)
+    assert [(r, a.num_threads, c) for r, a, c in specs] == [
+        ("prefill", 4, None),
+        ("decode", 4, None),
+    ]
+    specs = worker_specs(EngineArgs(model="m", num_threads=2), d)
+    assert [a.num_threads for _, a, _ in specs] == [2, 2]
+    assert DisaggConfig(num_prefill_workers=1).kv_transport == "shm"  # no cluster: unchanged
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -133,6 +158,9 @@ def test_worker_specs_per_pool_overrides_and_cpus():
         ({"num_prefill_workers": 1, "kv_transport": "rdma"}, "kv_transport='rdma'"),
         ({"num_prefill_workers": 1, "prefill_overrides": {"bogus": 1}}, "bogus"),
         ({"num_prefill_workers": 1, "on_prefill_failure": "retry"}, "on_prefill_failure"),
+        ({"ray_prefill_labels": "pool"}, "ray_prefill_labels='pool'.*KEY=VALUE"),
+        ({"ray_decode_labels": "a=1,=2"}, "ray_decode_labels"),
+        ({"ray_cpus_per_worker": 0}, "ray_cpus_per_worker=0"),
     ],
 )
 def test_bad_disagg_configs(kwargs, match):

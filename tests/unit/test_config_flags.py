@@ -110,6 +110,11 @@ SAMPLES = {
         pd_ratio=RoleControl.AUTO,
         slo="ttft_ms=1500,tpot_ms=80",
         pd_min_dwell_s=12.0,
+        ray_address="10.0.0.1:6379",
+        ray_cpus_per_worker=4.0,
+        ray_gpus_per_worker=1.0,
+        ray_prefill_labels="pool=prefill",
+        ray_decode_labels="pool=decode,zone=b",
     ),
 }
 

@@ -284,22 +284,71 @@ def test_a_channel_to_a_dead_receiver_drops_messages_and_reconnects(tcp_receiver
         again.close()
 
 
-def test_connections_beyond_the_limit_are_refused_and_counted(tcp_receiver, monkeypatch):
-    """Each connection has a receive thread: a peer cannot open them without bound."""
+def _wait_count(recv, reason: str, n: int, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while recv.dropped[reason] < n:
+        assert time.monotonic() < deadline, what
+        recv.poll()
+        time.sleep(0.01)
+
+
+def _is_closed(conn: socket.socket, within_s: float = 5.0) -> bool:
+    conn.settimeout(within_s)
+    try:
+        return conn.recv(1) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_strangers_cannot_keep_the_deployment_out(tcp_receiver, monkeypatch):
+    """Each connection has a receive thread, so their number is bounded; a connection keeps its
+    place by sending a message. At the limit a newcomer takes the place of the oldest silent
+    connection; with every open one having spoken, it is refused. Silent connections are
+    closed after SILENT_S, and one whose message fails its tag at once."""
     from pdserve.disagg.connector import stream
 
     recv, cache, push = tcp_receiver
     monkeypatch.setattr(stream, "MAX_CONNECTIONS", 2)
-    deliver(recv, push, layer_frames(KEY, seq=1))  # one open: the channel's
-    extra = [socket.create_connection(parse_address(recv.address)) for _ in range(3)]
+    deliver(recv, push, layer_frames(KEY, seq=1))  # the channel's connection has spoken
+    address = parse_address(recv.address)
+    idle = [socket.create_connection(address) for _ in range(3)]
     try:
-        deadline = time.monotonic() + 10
-        while recv.dropped["too_many_connections"] < 2:
-            assert time.monotonic() < deadline, "the extra connections were not refused"
-            time.sleep(0.01)
-        assert recv.dropped["too_many_connections"] == 2
+        _wait_count(recv, "evicted", 2, "silent connections were not evicted for newcomers")
+        assert recv.dropped["too_many_connections"] == 0
+        assert _is_closed(idle[0]) and _is_closed(idle[1]) and not _is_closed(idle[2], 0.2)
         deliver(recv, push, layer_frames(KEY, seq=2, dst=(10,)))  # the channel still works
         assert cache[0][:, 10].eq(1).all()
+
+        # A second sender of the deployment takes the silent one's place and speaks: now every
+        # open connection has, and a further connection is refused.
+        second = StreamChannel(recv.address)
+        deliver(recv, second, layer_frames(KEY, seq=3, dst=(11,), epoch=2))
+        assert _is_closed(idle[2])
+        late = socket.create_connection(address)
+        _wait_count(recv, "too_many_connections", 1, "a connection beyond the limit was let in")
+        assert _is_closed(late)
+        late.close()
+        second.close()
+
+        # A message that fails its tag ends its connection at once.
+        forger = socket.create_connection(address)
+        frames = layer_frames(b"x" * 32, seq=4)
+        lengths = [len(f) for f in frames]
+        forger.sendall(stream.PREFIX.pack(*lengths) + b"".join(frames))
+        _wait_count(recv, "bad_tag", 1, "the forged message was not dropped")
+        assert _is_closed(forger)
+        forger.close()
+
+        # One that says nothing is closed after SILENT_S.
+        monkeypatch.setattr(stream, "SILENT_S", 0.3)
+        silent = socket.create_connection(address)
+        assert _is_closed(silent)
+        assert recv.dropped["silent"] >= 1
+        silent.close()
+        deliver(recv, push, layer_frames(KEY, seq=5, dst=(12,)))  # it has spoken: still open
+        assert cache[0][:, 12].eq(1).all()
     finally:
-        for c in extra:
+        for c in idle:
             c.close()

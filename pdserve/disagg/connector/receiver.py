@@ -103,17 +103,23 @@ class KVReceiver:
         return self.sock if self.sock is not None else self.stream
 
     def _messages(self):
+        """(connection or None, frames) of each message received since the last call."""
         if self.stream is not None:
             yield from self.stream.take()
             return
         while self.sock.poll(0):
-            yield [f.buffer for f in self.sock.recv_multipart(copy=False)]
+            yield None, [f.buffer for f in self.sock.recv_multipart(copy=False)]
 
     def poll(self) -> tuple[list[KVDone], list[KVAborted]]:
         done, aborted = [], []
-        for frames in self._messages():
+        for conn, frames in self._messages():
             try:
-                msg = self._open(frames)
+                try:
+                    msg = self._open(frames)
+                except _Dropped:
+                    if conn is not None:  # not this deployment's: that connection ends
+                        self.stream.disown(conn)
+                    raise
                 if isinstance(msg, KVLayerHeader):
                     self._apply(msg, frames)
                 elif isinstance(msg, KVDone):

@@ -14,8 +14,13 @@ worker's bookkeeping needs (a request's rows before its `KVDone`).
   the cache. A message whose declared lengths exceed the limits ends its connection before
   anything is buffered (a stream cannot be resynchronised), as does a truncated one; queued
   bytes are bounded (`max_queued`), beyond which readers wait (TCP's flow control slows the
-  sender); at most `MAX_CONNECTIONS` connections are open at once (each has a thread), more
-  are refused and counted. `fileno()` is a wake-up descriptor the worker loop polls.
+  sender); at most `MAX_CONNECTIONS` connections are open at once (each has a thread). A
+  connection keeps its place by speaking: one that has sent no whole message within
+  `SILENT_S` is closed, and at the limit a new connection takes the place of the oldest silent
+  one, or is refused when every open connection has spoken. The receiver, which checks tags,
+  `disown`s a connection whose message is not authentic (closed at once), so a stranger
+  cannot keep the deployment's prefill workers out by holding connections open.
+  `fileno()` is a wake-up descriptor the worker loop polls.
 - `StreamChannel` (prefill worker): one connection, (re)opened on demand; a send that fails
   (the decode worker died or restarted) drops the message and is counted, never raised: the
   decode side gives up on the KV after its timeout and recomputes.
@@ -41,6 +46,7 @@ RECONNECT_EVERY_S = 1.0
 SOCKET_BUFFER = 4 << 20  # asked of the kernel per direction (it may cap it)
 POOL_PER_SIZE = 32  # received buffers kept for reuse, per size
 MAX_CONNECTIONS = 64  # prefill workers (and reconnects) one decode worker takes at once
+SILENT_S = 10.0  # a connection's first whole message must come within this
 
 
 def stretch_start(slots: np.ndarray) -> int | None:
@@ -68,8 +74,8 @@ class StreamReceiver:
         self.address = f"tcp://{host}:{self.listener.getsockname()[1]}"
         self.max_slots_bytes, self.max_rows_bytes = max_slots_bytes, max_rows_bytes
         self.max_queued = max_queued
-        self.queue: deque[list[memoryview]] = deque()
-        self.taken: list[list[memoryview]] = []  # handed out by the last `take`
+        self.queue: deque[tuple[socket.socket, list[memoryview]]] = deque()
+        self.taken: list[tuple[socket.socket, list[memoryview]]] = []  # by the last `take`
         self.free: dict[int, list[np.ndarray]] = {}  # buffers to reuse, by size
         self.pooled_bytes, self.max_pooled = 0, max_queued // 2
         self.queued_bytes = 0
@@ -77,7 +83,9 @@ class StreamReceiver:
         # connections ended for a framing error, or refused beyond MAX_CONNECTIONS
         self.dropped: Counter[str] = Counter() if dropped is None else dropped
         self.closed = False
-        self.conns: set[socket.socket] = set()
+        # open connections -> when they opened while silent, None once they sent a message
+        # (the accept thread adds, readers mark and remove: under `cond`)
+        self.conns: dict[socket.socket, float | None] = {}
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -86,14 +94,15 @@ class StreamReceiver:
     def fileno(self) -> int:
         return self._wake_r.fileno()
 
-    def take(self) -> list[list[memoryview]]:
-        """The messages received since the last call, in arrival order per connection; valid
-        until the next call (their buffers are then reused: fresh pages cost a fault each)."""
+    def take(self) -> list[tuple[socket.socket, list[memoryview]]]:
+        """(connection, message parts) received since the last call, in arrival order per
+        connection; valid until the next call (their buffers are then reused: fresh pages cost
+        a fault each)."""
         with contextlib.suppress(BlockingIOError):
             while self._wake_r.recv(4096):
                 pass
         with self.cond:
-            for msg in self.taken:
+            for _, msg in self.taken:
                 for part in msg[1:]:
                     pool = self.free.setdefault(len(part), [])
                     if (
@@ -108,21 +117,48 @@ class StreamReceiver:
             self.cond.notify_all()
         return self.taken
 
+    def disown(self, conn: socket.socket) -> None:
+        """A message on `conn` is not from this deployment: close it."""
+        _shut(conn)
+
     def _accept(self) -> None:
+        self.listener.settimeout(1.0)  # wakes to close connections that stayed silent
         while not self.closed:
+            self._close_silent(time.monotonic() - SILENT_S)
             try:
                 conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 return
-            if len(self.conns) >= MAX_CONNECTIONS:  # one thread each: bounded
+            conn.settimeout(None)
+            with self.cond:
+                silent = min(
+                    (c for c, t in self.conns.items() if t is not None),
+                    key=self.conns.get,
+                    default=None,
+                )
+                full = len(self.conns) >= MAX_CONNECTIONS  # one thread each: bounded
+                if not full or silent is not None:
+                    self.conns[conn] = time.monotonic()
+            if full and silent is None:
                 self._end("too_many_connections", f"{MAX_CONNECTIONS} open already")
                 conn.close()
                 continue
+            if full:  # the newcomer takes the place of the oldest silent connection
+                self._end("evicted", "the oldest silent connection, for a new one")
+                _shut(silent)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
-            self.conns.add(conn)
             threading.Thread(target=self._read, args=(conn,), name="pdserve-kv-recv",
                              daemon=True).start()  # fmt: skip
+
+    def _close_silent(self, opened_before: float) -> None:
+        with self.cond:
+            stale = [c for c, t in self.conns.items() if t is not None and t < opened_before]
+        for conn in stale:
+            self._end("silent", f"no whole message within {SILENT_S:.0f} s")
+            _shut(conn)
 
     def _read(self, conn: socket.socket) -> None:
         try:
@@ -146,14 +182,16 @@ class StreamReceiver:
                         self.cond.wait(0.1)
                         if self.closed:
                             return
-                    self.queue.append(msg)
+                    self.queue.append((conn, msg))
                     self.queued_bytes += size
+                    self.conns[conn] = None  # it spoke: its message is checked in `take`'s caller
                 with contextlib.suppress(BlockingIOError):  # else a wake-up is pending
                     self._wake_w.send(b"\0")
         except OSError:
             return
         finally:
-            self.conns.discard(conn)
+            with self.cond:
+                self.conns.pop(conn, None)
             conn.close()
 
     def _buffer(self, n: int) -> np.ndarray:
@@ -175,11 +213,18 @@ class StreamReceiver:
         with contextlib.suppress(OSError):  # wakes the accepting thread (Linux)
             self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
-        for conn in list(self.conns):
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
+        with self.cond:
+            conns = list(self.conns)
+        for conn in conns:
+            _shut(conn)
         self._wake_r.close()
         self._wake_w.close()
+
+
+def _shut(conn: socket.socket) -> None:
+    """End a connection from any thread: its reader sees the end and closes it."""
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)
 
 
 def _recv_exactly(conn: socket.socket, n: int, buf: np.ndarray | None = None) -> memoryview | None:

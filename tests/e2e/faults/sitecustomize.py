@@ -8,6 +8,8 @@ engine worker whose command line names the role a fault is for:
 - `PDSERVE_FAULT_PREFILL_DELAY_S=<seconds>`: a prefill worker (`--role prefill`) sleeps that
   long after each `EngineCore.execute` (one scheduled plan: one prefill chunk), so a long prompt
   takes a known minimum time to prefill and a test can act while it is under way.
+- `PDSERVE_FAULT_DECODE_DELAY_S=<seconds>`: the same for a decode worker (`--role decode`),
+  so a long answer takes a known minimum time.
 - `PDSERVE_FAULT_DECODE_START_GATE=<path>`: a decode worker (`--role decode`) does not start
   while that file exists (a test creates it once the server is up, so only a worker started
   later, e.g. by `--restart-workers`, waits, until the test removes it).
@@ -26,6 +28,7 @@ import sys
 import time
 
 PREFILL_DELAY_ENV = "PDSERVE_FAULT_PREFILL_DELAY_S"
+DECODE_DELAY_ENV = "PDSERVE_FAULT_DECODE_DELAY_S"
 DECODE_START_GATE_ENV = "PDSERVE_FAULT_DECODE_START_GATE"
 
 
@@ -80,11 +83,11 @@ def _slow_execute(delay_s: float):
 
 def _install() -> None:
     role = _worker_role()
-    delay = os.environ.get(PREFILL_DELAY_ENV)
-    if role == "prefill" and delay:
+    delay = os.environ.get({"prefill": PREFILL_DELAY_ENV, "decode": DECODE_DELAY_ENV}.get(role, ""))
+    if delay:
         sys.meta_path.insert(0, _PatchOnImport("pdserve.engine.core", _slow_execute(float(delay))))
         print(
-            f"[fault injection] prefill worker: sleeping {float(delay)} s after each "
+            f"[fault injection] {role} worker: sleeping {float(delay)} s after each "
             "EngineCore.execute",
             file=sys.stderr,
             flush=True,
