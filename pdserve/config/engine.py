@@ -254,6 +254,14 @@ class EngineArgs:
         help="propose whenever a match is found (within --speculative-max-batch), even where "
         "the measured step times say it does not pay and acceptance is low",
     )
+    tensor_parallel_size: int = setting(
+        1,
+        metavar="N",
+        help="split the model's heads and MLP over N ranks of this engine (this process and "
+        "N-1 it starts; CPU, gloo): colocated serving only, no quantized weights or drafts; "
+        "see docs/ARCHITECTURE.md",
+        checks=(at_least(1),),
+    )
     num_threads: int | None = setting(
         None,
         help="torch CPU threads (default: one per allowed CPU that other processes leave free, "

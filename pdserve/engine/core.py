@@ -36,8 +36,8 @@ def place_threads(args: EngineArgs) -> PlacementMonitor | None:
             cpu_placement.unpin()  # N threads on the CPUs an earlier engine did not claim
         torch.set_num_threads(args.num_threads)
         return None
-    if args.device != "cpu" or not cpu_placement.supported():
-        return None
+    if args.device != "cpu" or not cpu_placement.supported() or args.tensor_parallel_size > 1:
+        return None  # tensor parallel: the ranks share this process's CPUs out at start
     return PlacementMonitor()
 
 
@@ -64,6 +64,12 @@ class EngineCore:
         sched_config = args.scheduler_config(max_len)  # checked before the weights load
         if not self.connector.decodes:  # a prefill worker: no speculation, no draft model
             sched_config = dataclasses.replace(sched_config, speculation=None)
+        if args.tensor_parallel_size > 1 and (self.connector.moves_kv or args.kv_offload):
+            raise ValueError(
+                f"invalid tensor_parallel_size={args.tensor_parallel_size}: a tensor-parallel "
+                "engine serves colocated, with no KV offload (moving the KV of heads split "
+                "over ranks is not built: run prefill and decode workers, or offload, at 1)"
+            )
         self.runner = ModelRunner(
             self.model_config,
             cache_config,
@@ -80,7 +86,10 @@ class EngineCore:
             kv_cache_dtype=args.kv_cache_dtype,
             draft_model=args.draft_model if sched_config.speculation else None,
             draft_layers=args.draft_layers if sched_config.speculation else None,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
+        if self.runner.tp is not None:
+            weakref.finalize(self, self.runner.tp.close)
         self.offload = None  # BlockMover, with --kv-offload
         tiers = build_stack(self)
         self.kv = KVCacheManager(
@@ -106,6 +115,11 @@ class EngineCore:
         self.grammars: GrammarCompiler | None = None  # made for the first such request
         self.compiling: dict[str, tuple[Request, Future]] = {}
         self.connector.attach(self)
+
+    def close(self) -> None:
+        """End the follower ranks of a tensor-parallel runner (they end with this process
+        anyway)."""
+        self.runner.close()
 
     # ---- requests ------------------------------------------------------------------------
     def make_request(

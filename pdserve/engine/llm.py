@@ -36,6 +36,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """End the engine's helper processes (tensor-parallel ranks) now, not when this object
+        is collected. The engine cannot run after it."""
+        self.engine.core.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

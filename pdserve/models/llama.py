@@ -46,6 +46,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.reduce = None  # tensor parallel: sums o_proj's partial rows over the ranks
 
     def forward(
         self,
@@ -66,7 +67,8 @@ class Attention(nn.Module):
         else:
             qk = rope.apply(qkv[:, : hq + hkv], *cos_sin)  # q and k rotated in one pass
         q, k = qk.split([hq, hkv], dim=1)
-        return self.o_proj(backend.forward(q, k, v, kv_cache, meta))
+        out = self.o_proj(backend.forward(q, k, v, kv_cache, meta))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class MLP(nn.Module):
@@ -75,10 +77,12 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.reduce = None  # tensor parallel: sums down_proj's partial rows over the ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate).mul_(up))
+        out = self.down_proj(F.silu(gate).mul_(up))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -116,6 +120,8 @@ class LlamaForCausalLM(nn.Module):
         # Set by the runner where it can run (`pdserve.models.fused_decode`): decode-only steps
         # then take one native call per layer instead of the modules.
         self.fused_decode = None
+        # Rank 0 of a tensor-parallel group: hands each forward's inputs to the other ranks.
+        self.tp_leader = None
 
     @torch.inference_mode()
     def forward(
@@ -125,6 +131,8 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], final-normed
+        if self.tp_leader is not None:
+            self.tp_leader(input_ids, positions, meta)
         x = self.embed_tokens(input_ids)
         if self.fused_decode is not None and not meta.prefills:
             return self.norm(self.fused_decode(x, positions, kv_caches, meta))

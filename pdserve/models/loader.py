@@ -102,13 +102,20 @@ def load_model(
     attn_backend: AttentionBackend | None = None,
     quantization: str = "none",
     group_size: int = 32,
+    tp: tuple[int, int] = (0, 1),
 ) -> nn.Module:
     """Build and fill the model. `linear_backend`: "torch" (F.linear), "native" (pdserve's
     kernel, CPU float32), "onednn" (prepacked weights, CPU float32), or "auto" (the first of
     native and onednn that works here). `attn_backend`: how its layers
     attend (None: the model's default, `PagedSDPABackend`). `quantization`: "int8" or "int4"
     replaces every linear layer (the tied output head included) by its weight-only quantized
-    form, whatever `linear_backend` says."""
+    form, whatever `linear_backend` says. `tp` = (rank, size): build rank's shard of a
+    tensor-parallel model (`pdserve.runner.tensor_parallel`)."""
+    rank, size = tp
+    if size > 1:
+        from pdserve.models.tp_shard import shard_config, shard_of
+
+        cfg = shard_config(cfg, size)
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg, attn_backend)
@@ -128,6 +135,8 @@ def load_model(
         for file, name, tensor in iter_checkpoint(files):
             if cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue
+            if size > 1:
+                tensor = shard_of(name, tensor, cfg, rank)
             pname, shard = _target(name)
             param = params.get(pname)
             if param is None:

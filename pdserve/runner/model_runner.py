@@ -86,16 +86,24 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         draft_model: str | None = None,
         draft_layers: int | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         """`kv_cache_factory(shape, dtype)` allocates the KV cache (default: zeros in this
         process; disaggregated decode workers put it in shared memory). `draft_model` (a
         folder) or `draft_layers` (the first N of this model) make the draft that proposes
-        tokens for speculative decoding (`pdserve.spec.draft`)."""
-        self.config = model_config
+        tokens for speculative decoding (`pdserve.spec.draft`). `tensor_parallel_size` > 1
+        splits the model over that many ranks, this process and followers it starts
+        (`pdserve.runner.tensor_parallel`); `shard_config` is then this rank's shape."""
+        self.config = self.shard_config = model_config
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.max_model_len = max_model_len or model_config.max_model_len
         self.block_size = cache_config.block_size
+        self.tp = None
+        if tensor_parallel_size > 1:
+            self.shard_config = self._start_tensor_parallel(
+                tensor_parallel_size, model_config, dtype, linear_backend, attention_backend,
+                seed, quantization, draft_model, draft_layers)  # fmt: skip
         torch.manual_seed(seed)
         self.model = load_model(
             model_config,
@@ -106,9 +114,13 @@ class ModelRunner:
             attn_backend=make_backend(attention_backend, self.device, self.dtype),
             quantization=quantization,
             group_size=group_size,
+            tp=(0, tensor_parallel_size),
         )
         self.matmul_bytes_per_param = quantized_bytes_per_param(self.model)
-        self._use_fused_decode(enforce_eager)
+        if self.tp is not None:
+            from pdserve.runner.tensor_parallel import shard_model
+
+            shard_model(self.model, self.tp.group)
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"invalid kv_cache_dtype={kv_cache_dtype!r}: choose auto or int8")
         # int8: each row carries its scale (models/kv_quant.py); auto: the model's dtype
@@ -118,12 +130,15 @@ class ModelRunner:
         if draft_model is not None:
             self.draft_config = self._load_draft(draft_model, linear_backend, attention_backend,
                                                  enforce_eager, quantization, group_size)  # fmt: skip
+        self._use_fused_decode(enforce_eager, tensor_parallel_size)
         self.num_blocks = self._num_blocks(cache_config)
+        if self.tp is not None:
+            self.tp.setup(self.num_blocks, self.block_size, self.kv_dtype, self.kv_row_width)
         shape = (
             model_config.num_layers,
             2,
             self.num_blocks * self.block_size,
-            model_config.num_kv_heads,
+            self.shard_config.num_kv_heads,
             self.kv_row_width,
         )
         if kv_cache_factory is None:
@@ -167,8 +182,37 @@ class ModelRunner:
         caches = torch.zeros(shape, dtype=self.kv_dtype, device=self.device).unbind(0)
         return Drafter(self.draft_model, list(caches), self.layout, shared=False)
 
-    def _use_fused_decode(self, enforce_eager: bool) -> None:
-        if enforce_eager:
+    def _start_tensor_parallel(self, size, cfg, dtype, linear_backend, attention_backend, seed,
+                               quantization, draft_model, draft_layers) -> ModelConfig:  # fmt: skip
+        """Start the follower ranks; returns this rank's shape. What the ranks cannot share
+        yet is refused here, before anything starts."""
+        from pdserve.models.tp_shard import shard_config
+        from pdserve.runner.tensor_parallel import ShardArgs, TensorParallel
+
+        why = None
+        if self.device.type != "cpu":
+            why = "it runs on the CPU (gloo); NCCL on CUDA is not built"
+        elif quantization != "none":
+            why = "quantized weights are not split yet"
+        elif draft_model is not None or draft_layers is not None:
+            why = "a draft model would need its own split (prompt lookup works)"
+        if why:
+            raise ValueError(f"invalid tensor_parallel_size={size}: {why}")
+        shard = shard_config(cfg, size)
+        self.tp = TensorParallel(size, ShardArgs(cfg.path, dtype, str(self.device),
+                                 self.max_model_len, linear_backend, attention_backend, seed))  # fmt: skip
+        return shard
+
+    def close(self) -> None:
+        """End the follower ranks, if any (they also end with this process)."""
+        if self.tp is not None:
+            self.tp.close()
+            self.tp = None
+
+    def _use_fused_decode(self, enforce_eager: bool, tensor_parallel_size: int = 1) -> None:
+        if tensor_parallel_size > 1:
+            why = "tensor parallel (the fused step has no all-reduce)"
+        elif enforce_eager:
             why = "--enforce-eager"
         else:
             self.model.fused_decode, why = FusedDecode.build(self.model)
@@ -179,8 +223,9 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """Bytes of the model's KV one block holds (what offload tiers and transfers move)."""
-        return self._block_bytes(self.config)
+        """Bytes of the model's KV one block holds on this rank (what offload tiers and
+        transfers move; with tensor parallelism each rank holds its share of the heads)."""
+        return self._block_bytes(self.shard_config)
 
     def _block_bytes(self, c: ModelConfig | None) -> int:
         if c is None:

@@ -57,7 +57,12 @@ def repetitive_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+# llama in every mode in the default run; the other architectures in the slow suite (the
+# default run is bounded, and the drafts below cover them batched)
+SPEC_ARCHS = ["llama", *(pytest.param(a, marks=pytest.mark.slow) for a in ARCHS[1:])]
+
+
+@pytest.mark.parametrize("arch", SPEC_ARCHS)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_speculation_is_token_for_token_plain_decoding(arch, mode, tiny_models):
     kw = MODES[mode]

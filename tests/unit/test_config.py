@@ -150,6 +150,22 @@ def test_ray_placement_settings():
     assert DisaggConfig(num_prefill_workers=1).kv_transport == "shm"  # no cluster: unchanged
 
 
+def test_tensor_parallel_workers_are_colocated_only():
+    from pdserve.config import DisaggConfig, worker_specs
+
+    args = EngineArgs(model="m", tensor_parallel_size=2)
+    assert [r for r, _, _ in worker_specs(args, DisaggConfig(num_decode_workers=2))] == [
+        "both",
+        "both",
+    ]
+    for d in (
+        DisaggConfig(num_prefill_workers=1),
+        DisaggConfig(num_decode_workers=2, pd_ratio="manual"),
+    ):
+        with pytest.raises(ValueError, match="tensor-parallel workers serve colocated"):
+            worker_specs(args, d)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -48,6 +48,7 @@ SAMPLES = {
         priority_aging_s=3.5,
         priority_preemption=True,
         num_threads=3,
+        tensor_parallel_size=2,
         hardware_profile="hw.json",
         linear_backend="torch",
         attention_backend="sdpa",

@@ -96,6 +96,7 @@ class KVConnector:
     exposed_s = 0.0  # cumulative time the step loop waited for transfers
     # whether this worker's requests decode here (a draft model is worth loading)
     decodes = True
+    moves_kv = False  # whether KV crosses to or from other workers (the subclasses)
 
     def kv_cache_factory(self) -> CacheFactory | None:
         return None

@@ -18,6 +18,8 @@ from pdserve.types import EngineCoreOutput
 
 
 class DualConnector(KVConnector):
+    moves_kv = True
+
     def __init__(self, sender: SendingConnector, receiver: ReceivingConnector) -> None:
         self.sender, self.receiver = sender, receiver
 

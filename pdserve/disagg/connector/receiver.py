@@ -209,6 +209,8 @@ class ReceivingConnector(KVConnector):
     """Decode role: the cache where prefill workers can reach it, their signals applied to the
     scheduler's `RemoteKV`."""
 
+    moves_kv = True
+
     def __init__(self, worker_id: int, kind: KVTransportKind, address: str, key: bytes) -> None:
         self.worker_id, self.kind, self.address, self.key = worker_id, kind, address, key
         self.shm_paths: list[str] = []

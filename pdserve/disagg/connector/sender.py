@@ -241,6 +241,7 @@ class SendingConnector(KVConnector):
     """Prefill role: ships the KV of every `KVRole.SEND` request to its decode worker."""
 
     decodes = False  # its requests leave after their first token: nothing to speculate
+    moves_kv = True
 
     def __init__(self, worker_id: int, key: bytes) -> None:
         self.worker_id, self.key = worker_id, key

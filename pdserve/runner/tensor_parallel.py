@@ -1,0 +1,311 @@
+"""Tensor parallelism inside one engine: the model's heads and MLP columns split over N ranks.
+
+Rank 0 is the engine's own process: it schedules, builds each step's inputs, samples, and holds
+the KV of its share of the KV heads. Ranks 1..N-1 are follower processes it starts on this host
+(`python -m pdserve.runner.tensor_parallel`): each loads its shard of the weights and a KV cache
+of the same blocks for its heads, then runs every forward rank 0 runs, on the inputs rank 0
+broadcasts (`Step`, a msgspec message in a byte tensor, tagged with a secret drawn per group
+and handed over in the environment). The sharding is Megatron's: q/k/v and gate/up split by
+output rows (whole heads: `num_heads` and `num_kv_heads` must divide by N), o_proj and down_proj
+by input columns, followed by one all-reduce each (two per layer); embeddings, norms and the
+output head are whole on every rank, and only rank 0 computes logits.
+
+Collectives are torch.distributed's gloo backend over loopback, rendezvous through a file in a
+private directory (no TCP store port). A follower dies with rank 0 (PR_SET_PDEATHSIG) and rank
+0's next collective fails when a follower dies, so the engine fails as a whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import datetime
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+import msgspec
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pdserve.config import ModelConfig
+from pdserve.ipc.channel import BadFrame, Decoder, Encoder
+from pdserve.models.attention import AttentionMetadata, PrefillChunk
+from pdserve.models.tp_shard import shard_config
+
+logger = logging.getLogger(__name__)
+
+TP_SECRET_ENV = "PDSERVE_TP_SECRET"  # hex; set by rank 0 for its followers
+# An idle engine sends nothing for as long as it is idle: the followers' wait has no deadline
+# that matters (they die with rank 0), so the collectives' timeout is long.
+IDLE_TIMEOUT = datetime.timedelta(days=7)
+
+
+# ---- messages rank 0 broadcasts -------------------------------------------------------------
+class Array(msgspec.Struct, array_like=True):
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    @classmethod
+    def of(cls, t: torch.Tensor | None) -> Array | None:
+        if t is None:
+            return None
+        a = t.detach().cpu().contiguous().numpy()
+        return cls(str(a.dtype), a.shape, a.tobytes())
+
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        a = np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape)
+        return torch.from_numpy(a.copy()).to(device)
+
+
+class Chunk(msgspec.Struct, array_like=True):
+    q_start: int
+    q_end: int
+    ctx_slots: Array | None
+    mask: Array | None
+
+
+class Setup(msgspec.Struct, tag=True):
+    num_blocks: int
+    block_size: int
+    kv_dtype: str
+    row_width: int
+
+
+class Step(msgspec.Struct, tag=True):
+    input_ids: Array
+    positions: Array
+    slot_mapping: Array
+    num_decodes: int
+    decode_slots: Array | None
+    decode_mask: Array | None
+    decode_lens: Array | None
+    prefills: list[Chunk]
+
+    @classmethod
+    def of(cls, input_ids, positions, meta: AttentionMetadata) -> Step:
+        chunks = [Chunk(c.q_start, c.q_end, Array.of(c.ctx_slots), Array.of(c.mask))
+                  for c in meta.prefills]  # fmt: skip
+        return cls(Array.of(input_ids), Array.of(positions), Array.of(meta.slot_mapping),
+                   meta.num_decodes, Array.of(meta.decode_slots), Array.of(meta.decode_mask),
+                   Array.of(meta.decode_lens), chunks)  # fmt: skip
+
+    def inputs(self, device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        def t(a: Array | None):
+            return None if a is None else a.tensor(device)
+
+        meta = AttentionMetadata(t(self.slot_mapping), self.num_decodes, t(self.decode_slots),
+                                 t(self.decode_mask), t(self.decode_lens),
+                                 [PrefillChunk(c.q_start, c.q_end, t(c.ctx_slots), t(c.mask))
+                                  for c in self.prefills])  # fmt: skip
+        return t(self.input_ids), t(self.positions), meta
+
+
+class Stop(msgspec.Struct, tag=True):
+    pass
+
+
+Message = Setup | Step | Stop
+
+
+class Group:
+    """One rank's end of the group: all-reduce for the layers, broadcast of rank 0's messages."""
+
+    def __init__(self, store_path: str, rank: int, size: int, key: bytes) -> None:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface="lo")]
+        opts._timeout = IDLE_TIMEOUT
+        self.pg = dist.ProcessGroupGloo(dist.FileStore(store_path, size), rank, size, opts)
+        self.rank, self.size = rank, size
+        self.encode, self.decode = Encoder(key), Decoder(Message, key)
+        self._length = torch.zeros(1, dtype=torch.int64)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.pg.allreduce([x]).wait()  # in place: every rank gets the sum
+        return x
+
+    def send(self, msg) -> None:  # rank 0
+        frame = self.encode(msg)
+        self._length[0] = len(frame)
+        self.pg.broadcast(self._length, 0).wait()
+        self.pg.broadcast(torch.frombuffer(bytearray(frame), dtype=torch.uint8), 0).wait()
+
+    def receive(self):  # the other ranks
+        self.pg.broadcast(self._length, 0).wait()
+        buf = torch.empty(int(self._length[0]), dtype=torch.uint8)
+        self.pg.broadcast(buf, 0).wait()
+        return self.decode(buf.numpy().tobytes())
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.pg.shutdown()
+
+
+def shard_model(model: torch.nn.Module, group: Group) -> None:
+    """Each attention and MLP block sums its rows over the ranks after its last projection;
+    rank 0 broadcasts every forward's inputs first, so the followers run it too."""
+    for layer in model.layers:
+        layer.self_attn.reduce = layer.mlp.reduce = group.all_reduce
+    if group.rank == 0:
+        model.tp_leader = lambda ids, pos, meta: group.send(Step.of(ids, pos, meta))
+
+
+# ---- rank 0's side ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ShardArgs:
+    """What a follower needs to build its shard (the engine's model settings)."""
+
+    model: str
+    dtype: str
+    device: str
+    max_model_len: int
+    linear_backend: str
+    attention_backend: str
+    seed: int
+
+
+class TensorParallel:
+    """Rank 0: starts the followers and holds the group."""
+
+    def __init__(self, size: int, shard_args: ShardArgs) -> None:
+        self.size = size
+        self.dir = tempfile.mkdtemp(prefix="pdserve-tp-")  # 0700: the rendezvous file
+        key = secrets.token_bytes(32)
+        cpus = _cpu_shares(size)
+        env = {**os.environ, TP_SECRET_ENV: key.hex()}
+        store = os.path.join(self.dir, "store")
+        args = msgspec.json.encode(shard_args).decode()
+        self.procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "pdserve.runner.tensor_parallel",
+                    "--rank",
+                    str(r),
+                    "--size",
+                    str(size),
+                    "--store",
+                    store,
+                    "--shard-args",
+                    args,
+                    *(["--cpus", ",".join(map(str, cpus[r]))] if cpus else []),
+                ],
+                env=env,
+            )  # fmt: skip
+            for r in range(1, size)
+        ]
+        try:
+            self.group = Group(store, 0, size, key)
+        except Exception:
+            self.close()
+            raise
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)  # every rank has opened the store
+        if cpus:  # rank 0 keeps this process's CPUs and threads: fewer threads, no pinning
+            torch.set_num_threads(len(cpus[0]))
+        logger.info("tensor parallel: %d ranks over gloo (followers: %s)", size,
+                    [p.pid for p in self.procs])  # fmt: skip
+
+    def setup(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype, width: int) -> None:
+        self.group.send(Setup(num_blocks, block_size, str(kv_dtype).removeprefix("torch."), width))
+
+    def close(self) -> None:
+        group = getattr(self, "group", None)
+        if group is not None and all(p.poll() is None for p in self.procs):
+            with contextlib.suppress(Exception):
+                group.send(Stop())
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if group is not None:
+            group.close()
+
+
+def _cpu_shares(size: int) -> list[list[int]] | None:
+    """Each rank's CPUs: this process's, split in `size` equal shares (None when fewer)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    share = len(cpus) // size
+    if share < 1:
+        return None
+    return [cpus[r * share : (r + 1) * share] for r in range(size)]
+
+
+# ---- a follower -----------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def follow(rank: int, size: int, store: str, shard_args: ShardArgs) -> None:
+    from pdserve.models.attention import make_backend
+    from pdserve.models.loader import load_model
+    from pdserve.runner.model_runner import resolve_dtype
+
+    key = bytes.fromhex(os.environ.pop(TP_SECRET_ENV))
+    group = Group(store, rank, size, key)
+    torch.manual_seed(shard_args.seed)
+    device = torch.device(shard_args.device)
+    dtype = resolve_dtype(shard_args.dtype, device)
+    cfg = ModelConfig.from_pretrained(shard_args.model)
+    model = load_model(cfg, device, dtype, shard_args.max_model_len, shard_args.linear_backend,
+                       make_backend(shard_args.attention_backend, device, dtype),
+                       tp=(rank, size))  # fmt: skip
+    shard_model(model, group)
+    caches: list[torch.Tensor] = []
+    shard = shard_config(cfg, size)
+    try:
+        while True:
+            try:
+                msg = group.receive()
+            except BadFrame as e:  # not rank 0's: the group cannot go on in step
+                raise RuntimeError(f"tensor parallel rank {rank}: {e}") from None
+            if isinstance(msg, Stop):
+                return
+            if isinstance(msg, Setup):
+                shape = (cfg.num_layers, 2, msg.num_blocks * msg.block_size,
+                         shard.num_kv_heads, msg.row_width)  # fmt: skip
+                cache = torch.zeros(shape, dtype=getattr(torch, msg.kv_dtype), device=device)
+                caches = list(cache.unbind(0))
+                continue
+            input_ids, positions, meta = msg.inputs(device)
+            model(input_ids, positions, caches, meta)
+    finally:
+        group.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="a tensor-parallel rank (started by rank 0)")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--store", required=True)
+    p.add_argument("--shard-args", required=True)
+    p.add_argument("--cpus")
+    a = p.parse_args(argv)
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group ends
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{a.rank} %(message)s")
+    if a.cpus:
+        cpus = {int(c) for c in a.cpus.split(",")}
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(len(cpus))
+    follow(a.rank, a.size, a.store, msgspec.json.decode(a.shard_args, type=ShardArgs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

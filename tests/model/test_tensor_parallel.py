@@ -1,0 +1,115 @@
+"""Tensor parallelism (`tensor_parallel_size=2`): the same greedy tokens and logprobs as one rank
+(which tests/model/test_vs_transformers.py holds to transformers), with chunked prefill and
+prefix caching; what the split cannot take yet is refused before anything starts; a follower
+that dies fails the next step at once with the reason."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from pdserve import LLM, SamplingParams
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+# chunked prefill (8-token chunks) and prefix caching (4-token blocks shared by the prompts
+# that start alike) in one engine
+MODES = {"max_num_batched_tokens": 8, "block_size": 4, "enable_prefix_caching": True}
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    shared = rng.integers(3, vocab, 12).tolist()
+    return [
+        shared + rng.integers(3, vocab, 9).tolist(),
+        shared + rng.integers(3, vocab, 3).tolist(),
+        rng.integers(3, vocab, 5).tolist(),
+        rng.integers(3, vocab, 30).tolist(),
+    ]
+
+
+def run(path: str, **kw):
+    llm = LLM(path, num_threads=1, **MODES, **kw)
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=1, ignore_eos=True)
+    vocab = llm.engine.core.model_config.vocab_size
+    outs = llm.generate(prompts(vocab), params)
+    core = llm.engine.core
+    assert core.kv.num_free_blocks() == core.kv.num_blocks  # every block back (cached ones too)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [[lp.logprob for lp in o.outputs[0].logprobs] for o in outs]
+    hits = core.scheduler.stats().prefix_hits
+    llm.close()
+    return tokens, logprobs, hits
+
+
+def check_same_as_one_rank(path: str) -> None:
+    want_tokens, want_lps, want_hits = run(path)
+    tokens, lps, hits = run(path, tensor_parallel_size=2)
+    assert tokens == want_tokens
+    for got, want in zip(lps, want_lps):
+        assert got == pytest.approx(want, abs=1e-4)
+    assert hits == want_hits > 0  # the shared prefix was served from the cache
+
+
+def test_two_ranks_decode_as_one_on_the_trained_model(stories_path):
+    check_same_as_one_rank(stories_path)
+
+
+def test_prompt_lookup_speculation_across_ranks(stories_path):
+    """Verification runs on rank 0's logits; the followers run the verifying forward too."""
+    spec = {"speculative_method": "ngram", "num_speculative_tokens": 3,
+            "speculative_ngram_min": 1, "speculative_adaptive": False}  # fmt: skip
+    story = "Once upon a time, there was a little girl named Lily. Lily liked to play. Lily"
+    params = SamplingParams(temperature=0, max_tokens=24)
+    plain = LLM(stories_path, num_threads=1)
+    want = plain.generate([story], params)[0].outputs[0].token_ids
+    llm = LLM(stories_path, tensor_parallel_size=2, **spec)
+    try:
+        out = llm.generate([story], params)[0]
+        assert out.outputs[0].token_ids == want
+        assert out.metrics.num_spec_accepted > 0  # proposals were verified across the ranks
+    finally:
+        llm.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_two_ranks_decode_as_one_for_every_architecture(tiny_models, arch):
+    check_same_as_one_rank(tiny_models[arch])
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"tensor_parallel_size": 3}, "num_heads=8 does not divide by it"),
+        ({"tensor_parallel_size": 2, "quantization": "int8"}, "quantized weights"),
+        (
+            {"tensor_parallel_size": 2, "speculative_method": "draft", "draft_layers": 2},
+            "draft model",
+        ),
+        ({"tensor_parallel_size": 2, "kv_offload": ("cpu:1MiB",)}, "no KV offload"),
+    ],
+)
+def test_what_the_split_cannot_take_is_refused(stories_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(stories_path, **kw)
+
+
+def test_a_dead_follower_fails_the_next_step(stories_path):
+    llm = LLM(stories_path, tensor_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4)
+        assert llm.generate(["Once upon a time"], params)[0].outputs[0].token_ids
+        runner = llm.engine.core.runner
+        # this rank holds half the heads, in its weights and in its KV cache
+        assert runner.shard_config.num_kv_heads * 2 == runner.config.num_kv_heads
+        assert runner.kv_caches[0].shape[2] == runner.shard_config.num_kv_heads
+        (follower,) = runner.tp.procs
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.wait()
+        with pytest.raises(RuntimeError, match="closed by peer|Connection reset"):
+            llm.generate(["Once upon a time"], params)
+    finally:
+        llm.close()
