@@ -44,6 +44,8 @@ from pdserve.models.tp_shard import shard_config
 logger = logging.getLogger(__name__)
 
 TP_SECRET_ENV = "PDSERVE_TP_SECRET"  # hex; set by rank 0 for its followers
+# Joining the group: a rank that fails to start makes the others fail after this, not hang.
+JOIN_TIMEOUT = datetime.timedelta(seconds=120)
 # An idle engine sends nothing for as long as it is idle: the followers' wait has no deadline
 # that matters (they die with rank 0), so the collectives' timeout is long.
 IDLE_TIMEOUT = datetime.timedelta(days=7)
@@ -123,8 +125,9 @@ class Group:
     def __init__(self, store_path: str, rank: int, size: int, key: bytes) -> None:
         opts = dist.ProcessGroupGloo._Options()
         opts._devices = [dist.ProcessGroupGloo.create_device(interface="lo")]
-        opts._timeout = IDLE_TIMEOUT
+        opts._timeout = JOIN_TIMEOUT
         self.pg = dist.ProcessGroupGloo(dist.FileStore(store_path, size), rank, size, opts)
+        self.pg._set_default_timeout(IDLE_TIMEOUT)
         self.rank, self.size = rank, size
         self.encode, self.decode = Encoder(key), Decoder(Message, key)
         self._length = torch.zeros(1, dtype=torch.int64)
@@ -201,7 +204,7 @@ class TensorParallel:
                     *(["--cpus", ",".join(map(str, cpus[r]))] if cpus else []),
                 ],
                 env=env,
-            )  # fmt: skip
+            )
             for r in range(1, size)
         ]
         try:
