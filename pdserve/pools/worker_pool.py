@@ -324,8 +324,12 @@ class WorkerPool:
         await asyncio.sleep(delay_s)
         if old.sock is not None:
             old.sock.close()
-        # placing a worker on a cluster waits for the cluster: not on the event loop
-        new = await asyncio.to_thread(self._launch, old.worker_id, old.spec)
+            old.sock = None
+        try:  # placing a worker on a cluster waits for the cluster: not on the event loop
+            new = await asyncio.to_thread(self._launch, old.worker_id, old.spec)
+        except Exception as e:  # e.g. no node can host it now: it stays dead, and says why
+            logger.error("restarting worker %d failed: %s", old.worker_id, e)
+            return
         new.alive, new.restarting, new.role = False, True, old.role
         self.workers[old.worker_id] = new
 
