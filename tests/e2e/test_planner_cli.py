@@ -32,6 +32,7 @@ WORKLOAD = (
 )
 
 
+@pytest.mark.slow  # the default run is bounded; the planner's logic is unit-tested
 def test_an_analytic_profile_simulates_and_plans(stories_path, tmp_path):
     prof = tmp_path / "h100.json"
     text = pdserve("profile", "--model", stories_path, "--analytic", "H100", "--output", str(prof))

@@ -57,6 +57,7 @@ def test_two_ranks_decode_as_one_on_the_trained_model(stories_path):
     check_same_as_one_rank(stories_path)
 
 
+@pytest.mark.slow
 def test_prompt_lookup_speculation_across_ranks(stories_path):
     """Verification runs on rank 0's logits; the followers run the verifying forward too."""
     spec = {"speculative_method": "ngram", "num_speculative_tokens": 3,
@@ -97,6 +98,7 @@ def test_what_the_split_cannot_take_is_refused(stories_path, kw, match):
         LLM(stories_path, **kw)
 
 
+@pytest.mark.slow
 def test_a_dead_follower_fails_the_next_step(stories_path):
     llm = LLM(stories_path, tensor_parallel_size=2)
     try:
