@@ -119,6 +119,12 @@ class StreamReceiver:
 
     def disown(self, conn: socket.socket) -> None:
         """A message on `conn` is not from this deployment: close it."""
+        self._drop_conn(conn)
+
+    def _drop_conn(self, conn: socket.socket) -> None:
+        """Close `conn` from any thread; it stops counting at once (its reader then ends)."""
+        with self.cond:
+            self.conns.pop(conn, None)
         _shut(conn)
 
     def _accept(self) -> None:
@@ -147,7 +153,7 @@ class StreamReceiver:
                 continue
             if full:  # the newcomer takes the place of the oldest silent connection
                 self._end("evicted", "the oldest silent connection, for a new one")
-                _shut(silent)
+                self._drop_conn(silent)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
             threading.Thread(target=self._read, args=(conn,), name="pdserve-kv-recv",
@@ -158,7 +164,7 @@ class StreamReceiver:
             stale = [c for c, t in self.conns.items() if t is not None and t < opened_before]
         for conn in stale:
             self._end("silent", f"no whole message within {SILENT_S:.0f} s")
-            _shut(conn)
+            self._drop_conn(conn)
 
     def _read(self, conn: socket.socket) -> None:
         try:
@@ -184,7 +190,8 @@ class StreamReceiver:
                             return
                     self.queue.append((conn, msg))
                     self.queued_bytes += size
-                    self.conns[conn] = None  # it spoke: its message is checked in `take`'s caller
+                    if conn in self.conns:  # it spoke (its message is checked by the receiver)
+                        self.conns[conn] = None
                 with contextlib.suppress(BlockingIOError):  # else a wake-up is pending
                     self._wake_w.send(b"\0")
         except OSError:
