@@ -14,6 +14,7 @@ from pdserve.config.engine import EngineArgs
 from pdserve.config.server import ADMISSION_GROUP
 from pdserve.config.settings import (
     POSITIVE,
+    Check,
     at_least,
     check_overrides,
     check_settings,
@@ -41,9 +42,15 @@ def parse_labels(text: str) -> dict[str, str]:
     return labels
 
 
-def _labels(text: str) -> str:
-    parse_labels(text)
-    return text
+def _labels_ok(text: str) -> bool:
+    try:
+        parse_labels(text)
+    except ValueError:
+        return False
+    return True
+
+
+LABELS = Check(_labels_ok, "node labels are KEY=VALUE[,KEY=VALUE...]")
 
 
 DISAGG_GROUP = "disaggregation (prefill and decode worker pools)"
@@ -150,14 +157,14 @@ class DisaggConfig:
     )
     ray_prefill_labels: str = setting(
         "",
-        parse=_labels,
+        checks=(LABELS,),
         metavar="KEY=VALUE,...",
         group=CLUSTER_GROUP,
         help="place prefill workers on nodes with these labels (`ray start --labels`)",
     )
     ray_decode_labels: str = setting(
         "",
-        parse=_labels,
+        checks=(LABELS,),
         metavar="KEY=VALUE,...",
         group=CLUSTER_GROUP,
         help="place decode (and colocated) workers on nodes with these labels",
@@ -165,11 +172,6 @@ class DisaggConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
-        for name in ("ray_prefill_labels", "ray_decode_labels"):
-            try:
-                parse_labels(getattr(self, name))
-            except ValueError as e:
-                require(False, name, getattr(self, name), str(e))
         if self.ray_address and self.kv_transport == KVTransportKind.SHM:
             # shared memory reaches one host only; a cluster's workers may be on any node
             object.__setattr__(self, "kv_transport", KVTransportKind.TCP)
