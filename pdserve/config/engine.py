@@ -297,8 +297,9 @@ class EngineArgs:
         "none",
         choices=("none", "int8", "int4"),
         help="weight-only quantization at load: int8 (a scale per output channel) or int4 "
-        "(a scale per group of input features); activations stay float32; CPU (see "
-        "pdserve/models/quant_linear.py)",
+        "(a scale per group of input features); the products round their activations to 8 "
+        "bits per block of 32 and use integer dot products (AVX-512 VNNI where present); CPU "
+        "(see pdserve/models/quant_linear.py)",
     )
     kv_cache_dtype: str = setting(
         "auto",

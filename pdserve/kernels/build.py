@@ -61,15 +61,17 @@ def compiler_present() -> bool:
     return shutil.which(_compiler()) is not None
 
 
-def build(sources: tuple[Path, ...] = SOURCES) -> Path:
-    """The shared library built from `sources` for this machine (built now if not cached)."""
+def build(sources: tuple[Path, ...] = SOURCES, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The shared library built from `sources` for this machine (built now if not cached);
+    `extra_flags` go after the usual ones (the tests build the portable paths with
+    `-mno-avx512vnni`)."""
     try:
-        return _build(sources)
+        return _build(sources, (*FLAGS, *extra_flags))
     except OSError as e:  # an unwritable cache folder, a full disk
         raise KernelUnavailable(f"building the native kernels failed: {e}") from e
 
 
-def _build(sources: tuple[Path, ...]) -> Path:
+def _build(sources: tuple[Path, ...], flags: tuple[str, ...]) -> Path:
     cc = _compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
@@ -78,7 +80,7 @@ def _build(sources: tuple[Path, ...]) -> Path:
     key = hashlib.sha256()
     for path in (*sources, *HEADERS):
         key.update(path.name.encode() + b"\0" + path.read_bytes())
-    for part in (" ".join(FLAGS), version.stdout, _cpu_flags()):
+    for part in (" ".join(flags), version.stdout, _cpu_flags()):
         key.update(part.encode())
     out = cache_dir() / f"pdserve_cpu-{key.hexdigest()[:16]}.so"
     if out.exists():
@@ -86,7 +88,7 @@ def _build(sources: tuple[Path, ...]) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, sources), "-lm"],
+        done = subprocess.run([cc, *flags, "-o", tmp, *map(str, sources), "-lm"],
                               capture_output=True, text=True, timeout=300)  # fmt: skip
         if done.returncode != 0:
             raise KernelUnavailable(f"building the native kernels failed:\n{done.stderr.strip()}")

@@ -10,9 +10,13 @@
 /* cpu_linear.c: y[M, N] = x[M, K] @ W^T, W in panels of 16 output channels (see there). */
 int pd_f32_linear(const float *x, int64_t M, int64_t K, const float *w, const float *bias,
                   int64_t N, float *y);
-int pd_int8_linear(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale,
+
+/* cpu_quant.c: the same with int8 or int4 weights and activations quantized to 8 bits in
+ * blocks of 32 (see there); pd_vnni() says whether the AVX-512 VNNI path was built. */
+int pd_vnni(void);
+int pd_int8_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *scale,
                    int64_t N, float *y);
-int pd_int4_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *scale,
+int pd_int4_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *scale,
                    int64_t N, int64_t G, float *y);
 
 /* cpu_attention.c: one query token per sequence against its context in the paged cache. */

@@ -1,10 +1,11 @@
-"""Matrix products on the CPU with weights in panels: the Python side of `cpu_linear.c`.
+"""Matrix products on the CPU with weights in panels: the Python side of `cpu_linear.c` and
+`cpu_quant.c`.
 
 `f32_linear(x, w, bias, n)` computes `x @ W.T + bias` for float32 weights, `int8_linear(x, q,
-scale, n)` and `int4_linear(x, q, scale, n, k, group_size)` compute `x @ dequantize(weights).T`,
-all for float32 `x` of any leading shape, with the weights in the panel layout of
-`cpu_linear.c` (`pdserve.models.packed_linear.to_panels` and `pdserve.models.quant_linear` make
-it). The native kernel is built on first use (`build.py`); `available()` says whether it could
+scale, n, k)` and `int4_linear(x, q, scale, n, k, group_size)` compute
+`quantize_activations(x) @ dequantize(weights).T`, all for float32 `x` of any leading shape, with
+the weights in the panel layouts of those files (`pdserve.models.packed_linear.to_panels` and
+`pdserve.models.quant_linear` make them). The native kernel is built on first use (`build.py`); `available()` says whether it could
 be, and why not.
 """
 
@@ -27,9 +28,16 @@ def _lib() -> ctypes.CDLL:
     lib.pd_f32_linear.argtypes = [_P, _I, _I, _P, _P, _I, _P]
     lib.pd_int8_linear.argtypes = [_P, _I, _I, _P, _P, _I, _P]
     lib.pd_int4_linear.argtypes = [_P, _I, _I, _P, _P, _I, _I, _P]
-    for fn in (lib.pd_f32_linear, lib.pd_int8_linear, lib.pd_int4_linear):
+    lib.pd_vnni.argtypes = []
+    for fn in (lib.pd_f32_linear, lib.pd_int8_linear, lib.pd_int4_linear, lib.pd_vnni):
         fn.restype = ctypes.c_int
     return lib
+
+
+def vnni() -> bool:
+    """Whether the quantized products run on AVX-512 VNNI dot products here (else the same
+    integer arithmetic in portable vector code)."""
+    return bool(_lib().pd_vnni())
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -51,9 +59,10 @@ def f32_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: i
     return y.view(*x.shape[:-1], n)
 
 
-def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
-    """x[..., K] @ W.T for the int8 panels q[Np / 16, K, 16] and scales[Np] of W[n, K]."""
-    k = q.shape[1]
+def int8_linear(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, n: int, k: int
+) -> torch.Tensor:
+    """x[..., k] @ W.T for the int8 panels q[Np / 16, Kp / 4, 16, 4] and scales[Np] of W[n, k]."""
     rows = _rows(x, k)
     y = torch.empty(rows.shape[0], n, dtype=torch.float32)
     rc = _lib().pd_int8_linear(rows.data_ptr(), rows.shape[0], k, q.data_ptr(), scale.data_ptr(),
@@ -66,8 +75,8 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, n: int) -
 def int4_linear(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, n: int, k: int, group_size: int
 ) -> torch.Tensor:
-    """x[..., k] @ W.T for the int4 panels q[Np / 16, Kp / 2, 16] and scales[Np / 16, groups,
-    16] of W[n, k]."""
+    """x[..., k] @ W.T for the int4 panels q[Np / 16, Kp / 8, 16, 4] and scales[Np / 16,
+    groups, 16] of W[n, k]."""
     rows = _rows(x, k)
     y = torch.empty(rows.shape[0], n, dtype=torch.float32)
     rc = _lib().pd_int4_linear(rows.data_ptr(), rows.shape[0], k, q.data_ptr(), scale.data_ptr(),

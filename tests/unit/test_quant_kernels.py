@@ -1,5 +1,6 @@
-"""The native int8/int4 kernels against a plain float reference of the same quantized weights,
-and the quantizers' own round trip."""
+"""The native int8/int4 kernels against a plain torch reference of the same arithmetic (the
+activations rounded to 8 bits per block of 32, the weights dequantized), and the quantizers'
+own round trip."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pdserve.models.quant_linear import (
     Int8Linear,
     dequantize_int4,
     dequantize_int8,
+    quantize_activations,
     quantize_int4,
     quantize_int8,
 )
@@ -37,30 +39,49 @@ def weight(n, k, seed=0):
 def test_int8_round_trip_is_within_half_a_step():
     w = weight(100, 70)
     q, scale = quantize_int8(w)
-    err = (dequantize_int8(q, scale, 100) - w).abs()
+    err = (dequantize_int8(q, scale, 100, 70) - w).abs()
     assert (err <= scale[:100, None] / 2 + 1e-7).all()
-    assert q.shape == (128 // 16, 70, 16) and q.dtype == torch.int8
+    assert q.shape == (128 // 64, 96 // 4, 4, 16, 4) and q.dtype == torch.uint8
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_round_trip_is_within_half_a_step_and_uses_the_extreme(group):
     """Half a step, but a full one for a value opposite in sign to the group's extreme and as
-    large (+8 steps clips to +7)."""
+    large (+8 steps clips to +7); the scale is a float16."""
     w = weight(70, 200)
     q, scale = quantize_int4(w, group)
     back = dequantize_int4(q, scale, 70, 200, group)
     groups = -(-200 // group)
-    s = scale.transpose(1, 2).reshape(-1, groups)[:70].repeat_interleave(group, 1)[:, :200]
+    assert scale.dtype == torch.float16
+    s = scale.float().permute(0, 2, 3, 1).reshape(-1, groups)[:70]
+    s = s.repeat_interleave(group, 1)[:, :200]
     err, step = (back - w).abs(), s.abs()
     inside = (w / s).abs() <= 7.5
     assert (err[inside] <= step[inside] / 2 + 1e-7).all() and (err <= step + 1e-7).all()
-    # the value of largest magnitude in each group is represented exactly (it maps to -8)
+    # the value of largest magnitude in each group maps to -8: exact but for the float16 scale
     padded = F.pad(w, (0, groups * group - 200)).view(70, groups, group)
     idx = padded.abs().argmax(-1)
     exact = (
         F.pad(back, (0, groups * group - 200)).view(70, groups, group).gather(-1, idx[..., None])
     )
-    torch.testing.assert_close(exact.squeeze(-1), padded.gather(-1, idx[..., None]).squeeze(-1))
+    torch.testing.assert_close(
+        exact.squeeze(-1), padded.gather(-1, idx[..., None]).squeeze(-1), rtol=2**-11, atol=0
+    )
+
+
+def test_activations_round_to_8_bits_per_block_of_32():
+    """Each block's largest magnitude is kept exactly, every value is within half a step
+    (amax / 127 / 2) of its own, and an all-zero block stays zero."""
+    x = torch.randn(3, 70) * torch.tensor([1.0, 100.0, 1e-3])[:, None]
+    x[1, 32:64] = 0
+    got = quantize_activations(x)
+    assert got.shape == x.shape
+    blocks = F.pad(x, (0, 26)).view(3, 3, 32)
+    step = (blocks.abs().amax(-1) / 127).repeat_interleave(32, -1)[:, :70]
+    assert ((got - x).abs() <= step / 2 * (1 + 1e-5)).all()
+    assert (got[1, 32:64] == 0).all()
+    idx = x.abs().argmax(-1)
+    torch.testing.assert_close(got.gather(1, idx[:, None]), x.gather(1, idx[:, None]))
 
 
 def test_quantizers_reject_a_group_size_the_kernel_cannot_read():
@@ -74,7 +95,7 @@ def test_quantizers_reject_a_group_size_the_kernel_cannot_read():
 def test_int8_kernel_matches_the_dequantized_product(n, k, rows):
     w, x = weight(n, k), torch.randn(rows, k)
     layer = Int8Linear(w, None, native=True)
-    ref = x @ layer.dequantize().T
+    ref = quantize_activations(x) @ layer.dequantize().T
     torch.testing.assert_close(layer(x), ref, rtol=1e-4, atol=1e-4)
 
 
@@ -85,7 +106,7 @@ def test_int8_kernel_matches_the_dequantized_product(n, k, rows):
 def test_int4_kernel_matches_the_dequantized_product(n, k, rows, group):
     w, x = weight(n, k), torch.randn(rows, k)
     layer = Int4Linear(w, None, native=True, group_size=group)
-    ref = x @ layer.dequantize().T
+    ref = quantize_activations(x) @ layer.dequantize().T
     torch.testing.assert_close(layer(x), ref, rtol=1e-4, atol=1e-4)
 
 
@@ -100,8 +121,8 @@ def test_layers_keep_leading_dims_add_the_bias_and_agree_with_the_fallback():
 
 @needs_native
 def test_quantized_products_are_close_to_float():
-    """The error budget of the formats themselves (random Gaussian weights): int8 per channel
-    under 1.5% relative, int4 in groups of 32 under 12%."""
+    """The error budget of the formats themselves (random Gaussian weights and activations, both
+    quantized): int8 per channel under 1.5% relative, int4 in groups of 32 under 12%."""
     w, x = weight(256, 512), torch.randn(8, 512)
     ref = x @ w.T
     for layer, bound in ((Int8Linear(w), 0.015), (Int4Linear(w, group_size=32), 0.12)):
@@ -127,12 +148,12 @@ def test_kernels_give_the_same_result_on_one_thread_and_two():
 def test_activations_of_the_wrong_shape_or_dtype_are_refused():
     layer = Int8Linear(weight(64, 32), None)
     with pytest.raises(ValueError, match="float32"):
-        kernels.int8_linear(torch.randn(2, 32).double(), layer.q, layer.scale, 64)
+        kernels.int8_linear(torch.randn(2, 32).double(), layer.q, layer.scale, 64, 32)
     with pytest.raises(ValueError, match=r"\[\.\.\., 32\]"):
-        kernels.int8_linear(torch.randn(2, 31), layer.q, layer.scale, 64)
+        kernels.int8_linear(torch.randn(2, 31), layer.q, layer.scale, 64, 32)
     with pytest.raises(ValueError, match="group size 48"):
-        kernels.int4_linear(torch.randn(1, 64), torch.zeros(4, 32, 16, dtype=torch.uint8),
-                            torch.ones(4, 2, 16), 64, 64, 48)  # fmt: skip
+        kernels.int4_linear(torch.randn(1, 64), torch.zeros(1, 8, 4, 16, 4, dtype=torch.uint8),
+                            torch.ones(1, 2, 4, 16, dtype=torch.float16), 64, 64, 48)  # fmt: skip
 
 
 def test_a_machine_without_a_compiler_gets_a_reason_not_a_crash(tmp_path, monkeypatch):
@@ -157,3 +178,50 @@ def test_the_kernel_cache_is_private_and_reused(tmp_path, monkeypatch):
     assert first.parent.stat().st_mode & 0o077 == 0
     mtime = first.stat().st_mtime_ns
     assert build.build() == first and first.stat().st_mtime_ns == mtime
+
+
+def _portable_library():
+    """The kernels built without AVX-512 VNNI (the portable integer dot products), or a skip
+    where this compiler does not know the flag."""
+    import ctypes
+    import subprocess
+
+    try:
+        path = build.build(extra_flags=("-mno-avx512vnni",))
+    except build.KernelUnavailable as e:
+        if "mno-avx512vnni" in str(e) or "unrecognized" in str(e):
+            pytest.skip(f"this compiler cannot build without VNNI: {e}")
+        raise
+    except subprocess.SubprocessError as e:  # pragma: no cover
+        pytest.skip(str(e))
+    lib = ctypes.CDLL(str(path))
+    lib.pd_vnni.restype = ctypes.c_int
+    return lib
+
+
+@needs_native
+@pytest.mark.parametrize("n,k", [(100, 64), (64, 172), (512, 96)])
+@pytest.mark.parametrize("rows", [1, 3, 7])
+def test_the_portable_path_computes_what_the_vnni_path_does(n, k, rows):
+    """Both paths compute the same integer dot products; where this CPU has VNNI the two
+    libraries give the same outputs, and the portable one matches the torch reference."""
+    import ctypes
+
+    lib = _portable_library()
+    assert lib.pd_vnni() == 0
+    w, x = weight(n, k), torch.randn(rows, k)
+    P, I = ctypes.c_void_p, ctypes.c_int64  # noqa: E741, N806
+    for layer in (Int8Linear(w), Int4Linear(w, group_size=32)):
+        y = torch.empty(rows, n)
+        if isinstance(layer, Int8Linear):
+            fn, extra = lib.pd_int8_linear, ()
+            fn.argtypes = [P, I, I, P, P, I, P]
+        else:
+            fn, extra = lib.pd_int4_linear, (I(32),)
+            fn.argtypes = [P, I, I, P, P, I, I, P]
+        rc = fn(x.data_ptr(), rows, k, layer.q.data_ptr(), layer.scale.data_ptr(), n, *extra,
+                y.data_ptr())  # fmt: skip
+        assert rc == 0
+        ref = quantize_activations(x) @ layer.dequantize().T
+        torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(y, layer(x), rtol=1e-6, atol=1e-6)
