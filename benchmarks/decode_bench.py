@@ -136,17 +136,21 @@ def llama_bench(llama_cpp: Path, gguf: Path, threads: int) -> dict:
     return out
 
 
-def head_to_head(model_dir: Path, llama_cpp: Path | None, threads: int, rounds: int) -> dict:
-    """Batch-1 decode of the default float32 engine (and llama.cpp F32 where given) alternated
+def head_to_head(
+    model_dir: Path, llama_cpp: Path | None, threads: int, rounds: int, precision: str = "F32"
+) -> dict:
+    """Batch-1 decode of the engine at `precision` (F32: the default float32 engine; Q8_0 and
+    Q4_0: int8 and int4 weights) and llama.cpp's GGUF of that type, where given, alternated
     `rounds` times, a bandwidth sample before and after each, so that every figure has the
     roofline of its own minute: this machine's read bandwidth moves by up to 2x between minutes,
     more than the kernels differ."""
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompt = random_prompts(random.Random(0), [128], vocab)
-    llm = LLM(str(model_dir), num_threads=threads, enable_prefix_caching=False)
+    engine_args = CONFIGS[GGUF_TYPES[precision]]
+    llm = LLM(str(model_dir), num_threads=threads, enable_prefix_caching=False, **engine_args)
     llm.generate(prompt, greedy(8))
-    gguf = gguf_files(llama_cpp, model_dir)["F32"] if llama_cpp else None
-    out: dict[str, list] = {"pdserve": [], "llama_cpp": []}
+    gguf = gguf_files(llama_cpp, model_dir)[precision] if llama_cpp else None
+    out: dict[str, list] = {"pdserve": [], "llama_cpp": [], "precision": precision}
     for r in range(rounds):
         bw0 = measure_bandwidth(1.5)[0]
         tok_s, nbytes = decode_rate(llm, prompt, 128)
@@ -168,8 +172,8 @@ def head_to_head(model_dir: Path, llama_cpp: Path | None, threads: int, rounds: 
                                      "roofline_fraction": ts * nbytes / max(bw1, bw2)})  # fmt: skip
             line += f", llama.cpp {ts:.1f} ({out['llama_cpp'][-1]['roofline_fraction']:.0%})"
         print(line, flush=True)
-    for key, runs in out.items():
-        if runs:
+    for key in ("pdserve", "llama_cpp"):
+        if runs := out[key]:
             fr = [x["roofline_fraction"] for x in runs]
             print(f"{key}: median {statistics.median(x['tokens_s'] for x in runs):.1f} tok/s, "
                   f"median {statistics.median(fr):.0%} of the roofline (range "
@@ -215,12 +219,17 @@ def main() -> int:
     p.add_argument("--llama-cpp", type=Path, help="a llama.cpp source tree with build/bin built")
     p.add_argument("--output", type=Path)
     p.add_argument("--head-to-head", type=int, metavar="ROUNDS",
-                   help="only alternate float32 batch-1 decode with llama.cpp F32, ROUNDS times")  # fmt: skip
+                   help="only alternate batch-1 decode with llama.cpp's, ROUNDS times")  # fmt: skip
+    p.add_argument("--precision", choices=tuple(GGUF_TYPES), default="F32",
+                   help="the head to head's precision: F32 (float32), Q8_0 (pdserve int8), "
+                   "Q4_0 (pdserve int4, groups of 32)")  # fmt: skip
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = make_model(args.model_dir or Path("/tmp/pdbench/llama-125m"))
     if args.head_to_head:
-        out = head_to_head(model_dir, args.llama_cpp, args.threads, args.head_to_head)
+        out = head_to_head(
+            model_dir, args.llama_cpp, args.threads, args.head_to_head, args.precision
+        )
         if args.output:
             out.update(machine=machine_info(), code=code_info(), threads=args.threads)
             args.output.write_text(json.dumps(out, indent=2))

@@ -38,14 +38,6 @@
 #define QB 32     /* activation block: input features per activation scale */
 #define PANELS 4  /* panels per thread's block of channels, as cpu_linear.c */
 #define MR 4      /* activation rows per tile */
-#ifndef AHEAD
-#define AHEAD 16  /* weight rows (of PANELS x 64 bytes) prefetched ahead of the one read */
-#endif
-#if AHEAD > 0
-#define PREFETCH(p) __builtin_prefetch(p)
-#else
-#define PREFETCH(p) ((void)0)
-#endif
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -105,49 +97,73 @@ int pd_vnni(void) {
 }
 
 /* The activations of a product, quantized: q[M, Kp], and per row and block of QB inputs its
- * scale and `offset` times the sum of its values (the code offset's share of the dot product). */
+ * scale and `offset` times the sum of its values (the code offset's share of the dot product).
+ * One allocation holds all three. */
 typedef struct {
     int8_t *q;
     float *scale;
     int32_t *corr;
     int64_t kp, blocks;
+    void *mem;
 } acts_t;
+
+/* One block of QB inputs (n of them real, the rest zeros) to 8 bits: its scale, and the sum of
+ * its values. Round half to even, as torch.round; the float operations of quantize_activations
+ * in quant_linear.py, in the same order, so the results are the same bits. */
+static inline float quantize_block(const float *x, int64_t n, int8_t *q, int32_t *sum) {
+#if defined(__AVX512F__)
+    if (n == QB) {
+        __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        __m512 inv = _mm512_set1_ps(amax > 0 ? 127.f / amax : 0.f);
+        __m512 lim = _mm512_set1_ps(127.f);
+        /* cvtps rounds half to even (the default MXCSR mode); clamp before it, as below */
+        __m512i ia = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(a, inv),
+                                                                    -lim), lim));  /* fmt */
+        __m512i ib = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(b, inv),
+                                                                    -lim), lim));
+        _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(ia));
+        _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(ib));
+        *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(ia, ib));
+        return amax / 127.f;
+    }
+#endif
+    float amax = 0;
+    for (int64_t k = 0; k < n; k++) amax = fmaxf(amax, fabsf(x[k]));
+    float inv = amax > 0 ? 127.f / amax : 0.f;
+    int32_t s = 0;
+    for (int64_t k = 0; k < QB; k++) {
+        float r = k < n ? nearbyintf(x[k] * inv) : 0.f;
+        int32_t v = r > 127.f ? 127 : r < -127.f ? -127 : (int32_t)r;  /* NaN -> -127 */
+        q[k] = (int8_t)v;
+        s += v;
+    }
+    *sum = s;
+    return amax / 127.f;
+}
 
 static int quantize_acts(const float *x, int64_t M, int64_t K, int64_t Kp, int32_t offset,
                          acts_t *a) {
-    int64_t nb = Kp / QB;
+    int64_t nb = Kp / QB, qbytes = round_up(M * Kp, 64);
     a->kp = Kp;
     a->blocks = nb;
-    a->q = aligned_alloc(64, round_up(M * Kp, 64));
-    a->scale = malloc(sizeof(float) * M * nb);
-    a->corr = malloc(sizeof(int32_t) * M * nb);
-    if (!a->q || !a->scale || !a->corr) return -1;
+    a->mem = aligned_alloc(64, qbytes + round_up(8 * M * nb, 64));
+    if (!a->mem) return -1;
+    a->q = a->mem;
+    a->scale = (float *)((char *)a->mem + qbytes);
+    a->corr = (int32_t *)(a->scale + M * nb);
 #pragma omp parallel for schedule(static) if (M * K >= 32768)
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < nb; b++) {
-            const float *xr = x + m * K;
-            int64_t k0 = b * QB, k1 = k0 + QB < K ? k0 + QB : K;
-            float amax = 0;
-            for (int64_t k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(xr[k]));
-            float inv = amax > 0 ? 127.f / amax : 0.f;
-            int32_t sum = 0;
-            for (int64_t k = k0; k < k0 + QB; k++) {
-                float r = k < k1 ? nearbyintf(xr[k] * inv) : 0.f;
-                int32_t v = r > 127.f ? 127 : r < -127.f ? -127 : (int32_t)r;  /* NaN -> -127 */
-                a->q[m * Kp + k] = (int8_t)v;
-                sum += v;
-            }
-            a->scale[m * nb + b] = amax / 127.f;
+            int64_t k0 = b * QB, n = k0 + QB < K ? QB : (K > k0 ? K - k0 : 0);
+            int32_t sum;
+            a->scale[m * nb + b] = quantize_block(x + m * K + k0, n, a->q + m * Kp + k0, &sum);
             a->corr[m * nb + b] = sum * offset;
         }
     return 0;
 }
 
-static void free_acts(acts_t *a) {
-    free(a->q);
-    free(a->scale);
-    free(a->corr);
-}
+static void free_acts(acts_t *a) { free(a->mem); }
 
 static inline void store_out(float *y, int64_t n0, int64_t N, vf v) {
     if (n0 + V <= N) {
@@ -163,37 +179,39 @@ static inline __attribute__((always_inline)) void int4_tile(
     float *y, int64_t m0, const int mr, const int np) {
     const int64_t Kp = a->kp, nb = a->blocks, groups = Kp / G, octets = Kp / 8;
     const int64_t h = p0 % PANELS;  /* the tile's first panel within its block */
+    const int64_t per_group = G / QB;
     const uint8_t *qp = q + (p0 - h) * octets * 64 + h * 64;
     const uint16_t *sp = scale + (p0 - h) * groups * V + h * V;
     vf acc[MR][PANELS];
     for (int i = 0; i < mr; i++)
         for (int p = 0; p < np; p++) acc[i][p] = (vf){0};
-    for (int64_t b = 0; b < nb; b++) {
-        vi dot[MR][PANELS];
-        for (int i = 0; i < mr; i++)
-            for (int p = 0; p < np; p++) dot[i][p] = (vi){0};
-        for (int64_t c = b * (QB / 8); c < (b + 1) * (QB / 8); c++) {
-            vi lo[PANELS], hi[PANELS];
-            for (int p = 0; p < np; p++) {
-                PREFETCH(qp + ((c + AHEAD) * PANELS + p) * 64);
-                vi w = load_i(qp + (c * PANELS + p) * 64);
-                lo[p] = w & 0x0F0F0F0F;
-                hi[p] = (w >> 4) & 0x0F0F0F0F;
-            }
-            for (int i = 0; i < mr; i++) {
-                const int8_t *xq = a->q + (m0 + i) * Kp + 8 * c;
-                int32_t x0 = quad(xq), x1 = quad(xq + 4);
-                for (int p = 0; p < np; p++) dot[i][p] = dot4(dot4(dot[i][p], lo[p], x0), hi[p], x1);
-            }
-        }
-        int64_t g = b * QB / G;
+    for (int64_t g = 0; g < groups; g++) {
         vf sw[PANELS];
         for (int p = 0; p < np; p++) sw[p] = load_half(sp + (g * PANELS + p) * V);
-        for (int i = 0; i < mr; i++) {
-            float sx = a->scale[(m0 + i) * nb + b];
-            int32_t corr = a->corr[(m0 + i) * nb + b];
-            for (int p = 0; p < np; p++)
-                acc[i][p] += __builtin_convertvector(dot[i][p] - corr, vf) * (sw[p] * sx);
+        for (int64_t b = g * per_group; b < (g + 1) * per_group; b++) {
+            vi dot[MR][PANELS];
+            for (int i = 0; i < mr; i++)
+                for (int p = 0; p < np; p++) dot[i][p] = (vi){0};
+            for (int64_t c = b * (QB / 8); c < (b + 1) * (QB / 8); c++) {
+                vi lo[PANELS], hi[PANELS];
+                for (int p = 0; p < np; p++) {
+                    vi w = load_i(qp + (c * PANELS + p) * 64);
+                    lo[p] = w & 0x0F0F0F0F;
+                    hi[p] = (w >> 4) & 0x0F0F0F0F;
+                }
+                for (int i = 0; i < mr; i++) {
+                    const int8_t *xq = a->q + (m0 + i) * Kp + 8 * c;
+                    int32_t x0 = quad(xq), x1 = quad(xq + 4);
+                    for (int p = 0; p < np; p++)
+                        dot[i][p] = dot4(dot4(dot[i][p], lo[p], x0), hi[p], x1);
+                }
+            }
+            for (int i = 0; i < mr; i++) {
+                float sx = a->scale[(m0 + i) * nb + b];
+                int32_t corr = a->corr[(m0 + i) * nb + b];
+                for (int p = 0; p < np; p++)
+                    acc[i][p] += __builtin_convertvector(dot[i][p] - corr, vf) * (sw[p] * sx);
+            }
         }
     }
     for (int i = 0; i < mr; i++)
@@ -216,10 +234,7 @@ static inline __attribute__((always_inline)) void int8_tile(
             for (int p = 0; p < np; p++) dot[i][p] = (vi){0};
         for (int64_t c = b * (QB / 4); c < (b + 1) * (QB / 4); c++) {
             vi w[PANELS];
-            for (int p = 0; p < np; p++) {
-                PREFETCH(qp + ((c + AHEAD) * PANELS + p) * 64);
-                w[p] = load_i(qp + (c * PANELS + p) * 64);
-            }
+            for (int p = 0; p < np; p++) w[p] = load_i(qp + (c * PANELS + p) * 64);
             for (int i = 0; i < mr; i++) {
                 int32_t x4 = quad(a->q + (m0 + i) * Kp + 4 * c);
                 for (int p = 0; p < np; p++) dot[i][p] = dot4(dot[i][p], w[p], x4);
