@@ -149,8 +149,12 @@ def head_to_head(
     engine_args = CONFIGS[GGUF_TYPES[precision]]
     llm = LLM(str(model_dir), num_threads=threads, enable_prefix_caching=False, **engine_args)
     llm.generate(prompt, greedy(8))
+    base = None  # a quantized precision is also measured against float32, round by round
+    if precision != "F32":
+        base = LLM(str(model_dir), num_threads=threads, enable_prefix_caching=False)
+        base.generate(prompt, greedy(8))
     gguf = gguf_files(llama_cpp, model_dir)[precision] if llama_cpp else None
-    out: dict[str, list] = {"pdserve": [], "llama_cpp": [], "precision": precision}
+    out: dict[str, list] = {"pdserve": [], "llama_cpp": [], "float32": [], "precision": precision}
     for r in range(rounds):
         bw0 = measure_bandwidth(1.5)[0]
         tok_s, nbytes = decode_rate(llm, prompt, 128)
@@ -161,6 +165,10 @@ def head_to_head(
         line = (
             f"round {r}: pdserve {tok_s:.1f} tok/s ({out['pdserve'][-1]['roofline_fraction']:.0%})"
         )
+        if base is not None:
+            f32 = decode_rate(base, prompt, 128)[0]
+            out["float32"].append({"tokens_s": f32})
+            line += f", pdserve float32 {f32:.1f} ({tok_s / f32:.2f}x)"
         if gguf:
             exe = str(llama_cpp / "build" / "bin" / "llama-bench")
             cmd = [exe, "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", "128", "-d", "128",
@@ -178,9 +186,12 @@ def head_to_head(
             print(f"{key}: median {statistics.median(x['tokens_s'] for x in runs):.1f} tok/s, "
                   f"median {statistics.median(fr):.0%} of the roofline (range "
                   f"{min(fr):.0%}-{max(fr):.0%})")  # fmt: skip
-    if out["llama_cpp"]:
-        ratios = [a["tokens_s"] / b["tokens_s"] for a, b in zip(out["pdserve"], out["llama_cpp"])]
-        print(f"pdserve / llama.cpp per round: {', '.join(f'{x:.2f}x' for x in ratios)}")
+    for key, name in (("llama_cpp", "llama.cpp"), ("float32", "pdserve float32")):
+        if out[key]:
+            ratios = [a["tokens_s"] / b["tokens_s"] for a, b in zip(out["pdserve"], out[key])]
+            print(f"pdserve {precision} / {name} per round: "
+                  f"{', '.join(f'{x:.2f}x' for x in ratios)} "
+                  f"(median {statistics.median(ratios):.2f}x)")  # fmt: skip
     return out
 
 

@@ -9,6 +9,13 @@ tokens), decode at batch 8 and 32, and one 512-token prefill; the bytes one deco
 machine's measured read bandwidth; and Hugging Face `generate` at batch 1 (float32) as the
 outside reference. Every measurement waits for a quiet CPU and is retried when disturbed.
 
+Kernels (`--kernels`, a minute): each matrix product alone at the llama-125m shapes (a 3072x768
+projection, the 32000x768 output head) for 1, 16 and 256 activation rows: float32 (pdserve's
+native panels), int8 and int4 (pdserve's kernels, AVX-512 VNNI where present), each weight hot in
+the cache (the same matrix again) and cold (a different copy each call, so the bytes come from
+memory as in a decode step: copies of 96 MB in all), ms per call and GB/s of the weight's
+stored bytes.
+
 Quality (`--quality`, seconds): on the trained stories260K, the perplexity of its reference story
 (../shared/models/README.md) and of three held-out stories under each precision (int4 at group
 sizes 32 and 128, and the int8 KV cache alone and with int8 weights) against float32, and where
@@ -94,15 +101,64 @@ def quality() -> dict:
     return results
 
 
+def kernels(threads: int) -> dict:
+    import time
+
+    from pdserve.kernels import linear as native
+    from pdserve.models.packed_linear import NativeLinear
+    from pdserve.models.quant_linear import Int4Linear, Int8Linear
+
+    torch.set_num_threads(threads)
+    print(f"VNNI: {native.vnni()}; {threads} threads; read bandwidth "
+          f"{measure_bandwidth(1.0)[0] / 1e9:.1f} GB/s")  # fmt: skip
+    print("| kernel | shape | rows | hot ms | hot GB/s | cold ms | cold GB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    makers = {"float32 (native)": lambda w: NativeLinear(w, None), "int8": Int8Linear,
+              "int4 g32": lambda w: Int4Linear(w, group_size=32)}  # fmt: skip
+    out = {}
+    for n, k in ((3072, 768), (32000, 768)):
+        for name, make in makers.items():
+            def weight(seed):
+                return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+            first = make(weight(0))
+            nbytes = first.w.numel() * 4 if name.startswith("float32") else first.nbytes
+            # copies of 96 MB in all, three times the L3 cache of the machines seen
+            copies = [first, *(make(weight(i)) for i in range(1, max(2, 96_000_000 // nbytes)))]
+            for rows in (1, 16, 256):
+                x = torch.randn(rows, k)
+                reps = max(3, min(200, int(3e8 / (n * k * rows))))
+                first(x)
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    first(x)
+                hot = (time.perf_counter() - t0) / reps
+                for layer in copies:  # the first call after a pause wakes the threads
+                    layer(x)
+                t0 = time.perf_counter()
+                for layer in copies:
+                    layer(x)
+                cold = (time.perf_counter() - t0) / len(copies)
+                out[f"{name} {n}x{k} {rows}"] = {"hot_s": hot, "cold_s": cold, "bytes": nbytes}
+                print(f"| {name} | {n}x{k} | {rows} | {hot * 1e3:.3f} | {nbytes / hot / 1e9:.1f} "
+                      f"| {cold * 1e3:.3f} | {nbytes / cold / 1e9:.1f} |", flush=True)  # fmt: skip
+            del copies
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model-dir", type=Path, help="reuse (or create) the model folder here")
     p.add_argument("--output", type=Path)
     p.add_argument("--quality", action="store_true", help="only the quality check on stories260K")
+    p.add_argument("--kernels", action="store_true", help="only the matrix products, one by one")
     args = p.parse_args()
     if args.quality:
         quality()
+        return 0
+    if args.kernels:
+        kernels(args.threads)
         return 0
     torch.set_num_threads(args.threads)
     model_dir = make_model(args.model_dir or Path("/tmp/pdbench/llama-125m"))
