@@ -118,7 +118,8 @@ def kernels(threads: int) -> dict:
     out = {}
     for n, k in ((3072, 768), (32000, 768)):
         for name, make in makers.items():
-            def weight(seed):
+
+            def weight(seed, n=n, k=k):
                 return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
 
             first = make(weight(0))
