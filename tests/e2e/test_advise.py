@@ -28,6 +28,7 @@ def advise_json(capsys, *argv) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # 15 s with its server
 def test_a_prefill_bound_run_is_called_prefill_bound(server, tmp_path, capsys, stories_path):
     run = bench(server, tmp_path, "prefill", "--num-requests", "64", "--input-len", "480",
                 "--output-len", "2", "--slo", "ttft_ms=100,tpot_ms=2000")  # fmt: skip

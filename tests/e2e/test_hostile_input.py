@@ -277,6 +277,7 @@ def _mode(path: Path) -> int:
     return stat.S_IMODE(path.lstat().st_mode)
 
 
+@pytest.mark.slow  # 12 s: a disaggregated server of its own
 def test_a_disaggregated_server_keeps_its_channels_private_and_alive(stories_path, tmp_path):
     """Sockets 0600 in a 0700 directory whatever the umask; garbage on the decode worker's TCP
     KV port is dropped and counted, never fatal; everything is removed on exit. (The shared-memory
