@@ -25,6 +25,8 @@ must have been measured with):
   colocated-chunked  --cpus 0-1 --max-num-batched-tokens 256
   colocated-nochunk  --cpus 0-1 --no-chunked-prefill
   disagg-1p1d        --prefill-workers 1 --decode-workers 1 --prefill-cpus 0 --decode-cpus 1
+  two-colocated      --decode-workers 2 --decode-cpus 0 --decode-cpus 1
+                     --max-num-batched-tokens 2048 (not in the default set)
 
 Each measured run waits for a quiet machine (no other benchmark, test or pdserve process) and
 runs again when disturbed, as the other serving benchmarks do.
@@ -73,6 +75,10 @@ def deployments(backend: str) -> dict[str, list[str]]:
         "disagg-1p1d": [
             *b, "--prefill-workers", "1", "--decode-workers", "1",
             "--prefill-cpus", "0", "--decode-cpus", "1",
+        ],
+        "two-colocated": [
+            *b, "--decode-workers", "2", "--decode-cpus", "0", "--decode-cpus", "1",
+            "--max-num-batched-tokens", "2048",
         ],
     }  # fmt: skip
 
