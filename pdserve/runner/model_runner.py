@@ -103,7 +103,7 @@ class ModelRunner:
         if tensor_parallel_size > 1:
             self.shard_config = self._start_tensor_parallel(
                 tensor_parallel_size, model_config, dtype, linear_backend, attention_backend,
-                seed, quantization, draft_model, draft_layers)  # fmt: skip
+                seed, quantization, group_size, draft_model, draft_layers)  # fmt: skip
         torch.manual_seed(seed)
         self.model = load_model(
             model_config,
@@ -183,7 +183,8 @@ class ModelRunner:
         return Drafter(self.draft_model, list(caches), self.layout, shared=False)
 
     def _start_tensor_parallel(self, size, cfg, dtype, linear_backend, attention_backend, seed,
-                               quantization, draft_model, draft_layers) -> ModelConfig:  # fmt: skip
+                               quantization, group_size, draft_model,
+                               draft_layers) -> ModelConfig:  # fmt: skip
         """Start the follower ranks; returns this rank's shape. What the ranks cannot share
         yet is refused here, before anything starts."""
         from pdserve.models.tp_shard import shard_config
@@ -192,15 +193,14 @@ class ModelRunner:
         why = None
         if self.device.type != "cpu":
             why = "it runs on the CPU (gloo); NCCL on CUDA is not built"
-        elif quantization != "none":
-            why = "quantized weights are not split yet"
         elif draft_model is not None or draft_layers is not None:
             why = "a draft model would need its own split (prompt lookup works)"
         if why:
             raise ValueError(f"invalid tensor_parallel_size={size}: {why}")
         shard = shard_config(cfg, size)
         self.tp = TensorParallel(size, ShardArgs(cfg.path, dtype, str(self.device),
-                                 self.max_model_len, linear_backend, attention_backend, seed))  # fmt: skip
+                                 self.max_model_len, linear_backend, attention_backend, seed,
+                                 quantization, group_size))  # fmt: skip
         return shard
 
     def close(self) -> None:

@@ -174,6 +174,8 @@ class ShardArgs:
     linear_backend: str
     attention_backend: str
     seed: int
+    quantization: str = "none"  # each rank quantizes its own shard at load
+    group_size: int = 32
 
 
 class TensorParallel:
@@ -267,7 +269,7 @@ def follow(rank: int, size: int, store: str, shard_args: ShardArgs) -> None:
     cfg = ModelConfig.from_pretrained(shard_args.model)
     model = load_model(cfg, device, dtype, shard_args.max_model_len, shard_args.linear_backend,
                        make_backend(shard_args.attention_backend, device, dtype),
-                       tp=(rank, size))  # fmt: skip
+                       shard_args.quantization, shard_args.group_size, tp=(rank, size))  # fmt: skip
     shard_model(model, group)
     caches: list[torch.Tensor] = []
     shard = shard_config(cfg, size)
