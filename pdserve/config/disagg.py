@@ -145,7 +145,8 @@ class DisaggConfig:
         1.0,
         metavar="N",
         group=CLUSTER_GROUP,
-        help="CPUs each worker actor reserves (and its thread count, unless --num-threads)",
+        help="CPUs each worker actor reserves per engine rank (times --tensor-parallel-size), "
+        "and each rank's thread count unless --num-threads",
         checks=(POSITIVE,),
     )
     ray_gpus_per_worker: float = setting(

@@ -265,7 +265,9 @@ class EngineArgs:
     num_threads: int | None = setting(
         None,
         help="torch CPU threads (default: one per allowed CPU that other processes leave free, "
-        "measured at start and again when the load changes; see docs/ARCHITECTURE.md)",
+        "measured at start and again when the load changes; with --tensor-parallel-size: per "
+        "rank, unpinned, where the default splits this process's CPUs between the ranks; see "
+        "docs/ARCHITECTURE.md)",
         checks=(at_least(0),),
     )
     hardware_profile: str | None = setting(

@@ -87,6 +87,7 @@ class EngineCore:
             draft_model=args.draft_model if sched_config.speculation else None,
             draft_layers=args.draft_layers if sched_config.speculation else None,
             tensor_parallel_size=args.tensor_parallel_size,
+            tensor_parallel_threads=args.num_threads,
         )
         if self.runner.tp is not None:
             weakref.finalize(self, self.runner.tp.close)

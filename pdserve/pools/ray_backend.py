@@ -160,9 +160,11 @@ class RayBackend:
         self.actor_class = ray.remote(WorkerActor)
 
     def place(self, worker_id: int, spec: WorkerSpec) -> RayPlacement:
+        ranks = spec.args.tensor_parallel_size  # a tensor-parallel worker: this much per rank
+        cpus, gpus = self.cpus * ranks, self.gpus * ranks
         options = {
-            "num_cpus": self.cpus,
-            "num_gpus": self.gpus,
+            "num_cpus": cpus,
+            "num_gpus": gpus,
             "name": f"pdserve-{self.deployment}-worker{worker_id}-{uuid.uuid4().hex[:6]}",
             "scheduling_strategy": "SPREAD",
             "max_restarts": 0,  # the pool restarts workers (--restart-workers), not Ray
@@ -176,7 +178,7 @@ class RayBackend:
             self.ray.kill(actor)
             raise RuntimeError(
                 f"no Ray node could host worker {worker_id} ({spec.role}) within "
-                f"{PLACE_TIMEOUT_S:.0f}s: it needs {self.cpus} CPUs, {self.gpus} GPUs"
+                f"{PLACE_TIMEOUT_S:.0f}s: it needs {cpus} CPUs, {gpus} GPUs"
                 + (f" and labels {self.labels[spec.role]}" if self.labels[spec.role] else "")
             ) from None
         where["actor"] = options["name"]

@@ -87,13 +87,15 @@ class ModelRunner:
         draft_model: str | None = None,
         draft_layers: int | None = None,
         tensor_parallel_size: int = 1,
+        tensor_parallel_threads: int | None = None,
     ) -> None:
         """`kv_cache_factory(shape, dtype)` allocates the KV cache (default: zeros in this
         process; disaggregated decode workers put it in shared memory). `draft_model` (a
         folder) or `draft_layers` (the first N of this model) make the draft that proposes
         tokens for speculative decoding (`pdserve.spec.draft`). `tensor_parallel_size` > 1
         splits the model over that many ranks, this process and followers it starts
-        (`pdserve.runner.tensor_parallel`); `shard_config` is then this rank's shape."""
+        (`pdserve.runner.tensor_parallel`), each with `tensor_parallel_threads` threads (None:
+        this process's CPUs shared out); `shard_config` is then this rank's shape."""
         self.config = self.shard_config = model_config
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -103,7 +105,8 @@ class ModelRunner:
         if tensor_parallel_size > 1:
             self.shard_config = self._start_tensor_parallel(
                 tensor_parallel_size, model_config, dtype, linear_backend, attention_backend,
-                seed, quantization, group_size, draft_model, draft_layers)  # fmt: skip
+                seed, quantization, group_size, draft_model, draft_layers,
+                tensor_parallel_threads)  # fmt: skip
         torch.manual_seed(seed)
         self.model = load_model(
             model_config,
@@ -183,8 +186,8 @@ class ModelRunner:
         return Drafter(self.draft_model, list(caches), self.layout, shared=False)
 
     def _start_tensor_parallel(self, size, cfg, dtype, linear_backend, attention_backend, seed,
-                               quantization, group_size, draft_model,
-                               draft_layers) -> ModelConfig:  # fmt: skip
+                               quantization, group_size, draft_model, draft_layers,
+                               threads) -> ModelConfig:  # fmt: skip
         """Start the follower ranks; returns this rank's shape. What the ranks cannot share
         yet is refused here, before anything starts."""
         from pdserve.models.tp_shard import shard_config
@@ -200,7 +203,7 @@ class ModelRunner:
         shard = shard_config(cfg, size)
         self.tp = TensorParallel(size, ShardArgs(cfg.path, dtype, str(self.device),
                                  self.max_model_len, linear_backend, attention_backend, seed,
-                                 quantization, group_size))  # fmt: skip
+                                 quantization, group_size, threads))  # fmt: skip
         return shard
 
     def close(self) -> None:

@@ -176,6 +176,9 @@ class ShardArgs:
     seed: int
     quantization: str = "none"  # each rank quantizes its own shard at load
     group_size: int = 32
+    threads: int | None = (
+        None  # per rank, unpinned (`--num-threads`); else this process's CPUs split
+    )
 
 
 class TensorParallel:
@@ -185,7 +188,10 @@ class TensorParallel:
         self.size = size
         self.dir = tempfile.mkdtemp(prefix="pdserve-tp-")  # 0700: the rendezvous file
         key = secrets.token_bytes(32)
-        cpus = _cpu_shares(size)
+        # `--num-threads N` (a Ray worker gets its reserved CPUs as N): N threads per rank where
+        # the OS puts them; else this process's CPUs shared out, a pinned share per rank
+        cpus = None if shard_args.threads else _cpu_shares(size)
+        threads = ["--threads", str(shard_args.threads)] if shard_args.threads else []
         env = {**os.environ, TP_SECRET_ENV: key.hex()}
         store = os.path.join(self.dir, "store")
         args = msgspec.json.encode(shard_args).decode()
@@ -203,7 +209,7 @@ class TensorParallel:
                     store,
                     "--shard-args",
                     args,
-                    *(["--cpus", ",".join(map(str, cpus[r]))] if cpus else []),
+                    *(["--cpus", ",".join(map(str, cpus[r]))] if cpus else threads),
                 ],
                 env=env,
             )
@@ -300,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", required=True)
     p.add_argument("--shard-args", required=True)
     p.add_argument("--cpus")
+    p.add_argument("--threads", type=int)
     a = p.parse_args(argv)
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group ends
@@ -308,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         cpus = {int(c) for c in a.cpus.split(",")}
         os.sched_setaffinity(0, cpus)
         torch.set_num_threads(len(cpus))
+    elif a.threads:
+        torch.set_num_threads(a.threads)
     follow(a.rank, a.size, a.store, msgspec.json.decode(a.shard_args, type=ShardArgs))
     return 0
 

@@ -147,3 +147,20 @@ def test_a_dead_follower_fails_the_next_step(stories_path):
             llm.generate(["Once upon a time"], params)
     finally:
         llm.close()
+
+
+@pytest.mark.slow  # 9 s
+def test_num_threads_runs_that_many_unpinned_threads_per_rank(stories_path):
+    """`--num-threads N` with tensor parallelism (what a Ray worker gets from the CPUs it
+    reserves per rank): the followers start with N threads and no CPU set of their own, and the
+    ranks still compute one rank's tokens."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = LLM(stories_path).generate(["Once upon a time"], params)[0].outputs[0].token_ids
+    llm = LLM(stories_path, tensor_parallel_size=2, num_threads=1)
+    try:
+        (follower,) = llm.engine.core.runner.tp.procs
+        assert "--cpus" not in follower.args
+        assert follower.args[follower.args.index("--threads") + 1] == "1"
+        assert llm.generate(["Once upon a time"], params)[0].outputs[0].token_ids == want
+    finally:
+        llm.close()

@@ -53,3 +53,40 @@ def test_ray_address_without_ray_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails
     with pytest.raises(RuntimeError, match=r"pip install -e '\.\[ray\]'"):
         RayBackend("auto")
+
+
+def test_a_tensor_parallel_worker_reserves_its_cpus_and_gpus_per_rank():
+    """A Ray actor hosts the whole worker, every rank of it: it reserves the per-worker CPUs
+    and GPUs once per rank (the placement, with a stand-in for Ray)."""
+    from pdserve.pools.ray_backend import RayBackend
+
+    asked = []
+
+    class Actor:
+        class where:  # noqa: N801  (ray's method handle)
+            @staticmethod
+            def remote():
+                return {"node_ip": "10.0.0.2"}
+
+    class ActorClass:
+        def options(self, **options):
+            asked.append(options)
+            return self
+
+        def remote(self):
+            return Actor()
+
+    class Ray:
+        @staticmethod
+        def get(ref, timeout=None):
+            return ref
+
+    backend = object.__new__(RayBackend)
+    backend.ray, backend.actor_class, backend.deployment = Ray(), ActorClass(), "test"
+    backend.cpus, backend.gpus = 2.0, 0.5
+    backend.labels = {Role.PREFILL: {}, Role.DECODE: {}, Role.BOTH: {}}
+    for size in (1, 4):
+        spec = WorkerSpec(Role.BOTH, EngineArgs(model="m", tensor_parallel_size=size))
+        placement = backend.place(0, spec)
+        assert placement.host == "10.0.0.2"
+        assert (asked[-1]["num_cpus"], asked[-1]["num_gpus"]) == (2.0 * size, 0.5 * size)
