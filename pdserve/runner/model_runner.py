@@ -196,8 +196,11 @@ class ModelRunner:
         why = None
         if self.device.type != "cpu":
             why = "it runs on the CPU (gloo); NCCL on CUDA is not built"
-        elif draft_model is not None or draft_layers is not None:
-            why = "a draft model would need its own split (prompt lookup works)"
+        elif draft_layers is not None:
+            why = (
+                "a draft of the model's own first layers would need the followers (a separate "
+                "--draft-model runs whole on rank 0; prompt lookup works too)"
+            )
         if why:
             raise ValueError(f"invalid tensor_parallel_size={size}: {why}")
         shard = shard_config(cfg, size)

@@ -88,7 +88,7 @@ def test_two_ranks_decode_as_one_for_every_architecture(tiny_models, arch):
         ({"tensor_parallel_size": 3}, "num_heads=8 does not divide by it"),
         (
             {"tensor_parallel_size": 2, "speculative_method": "draft", "draft_layers": 2},
-            "draft model",
+            "first layers would need the followers",
         ),
         ({"tensor_parallel_size": 2, "kv_offload": ("cpu:1MiB",)}, "no KV offload"),
     ],
@@ -126,6 +126,27 @@ def test_quantized_shards(stories_path, held_out_stories, quant):
             assert _perplexity(llm, text) / ref - 1 <= QUANT_BOUNDS[quant], text[:30]
         core = llm.engine.core
         assert core.kv.num_free_blocks() == core.kv.num_blocks
+    finally:
+        llm.close()
+
+
+@pytest.mark.slow
+def test_a_draft_model_runs_whole_on_rank_0(stories_path, tmp_path):
+    """The draft (here the first 3 layers as a folder of its own) is not split: rank 0 runs it
+    alone and its proposals are verified by the split model, token for token plain decoding."""
+    from test_speculative import DRAFT, first_layers
+
+    prompt = "Once upon a time, there was a little girl named Lily."
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = LLM(stories_path).generate([prompt], params)[0].outputs[0].token_ids
+    draft = first_layers(stories_path, tmp_path / "draft", 3)
+    llm = LLM(stories_path, tensor_parallel_size=2, draft_model=draft, **DRAFT)
+    try:
+        out = llm.generate([prompt], params)[0]
+        assert out.outputs[0].token_ids == want
+        assert out.metrics.num_spec_accepted > 0
+        assert llm.engine.core.runner.draft_config.num_kv_heads == 4  # whole: not a shard
+        llm.engine.core.kv.pool.check_whole()
     finally:
         llm.close()
 
