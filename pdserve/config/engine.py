@@ -258,7 +258,7 @@ class EngineArgs:
         1,
         metavar="N",
         help="split the model's heads and MLP over N ranks of this engine (this process and "
-        "N-1 it starts; CPU, gloo): colocated serving only, no --draft-layers or KV offload; "
+        "N-1 it starts; CPU, gloo): colocated serving only, no --draft-layers; "
         "see docs/ARCHITECTURE.md",
         checks=(at_least(1),),
     )

@@ -64,11 +64,11 @@ class EngineCore:
         sched_config = args.scheduler_config(max_len)  # checked before the weights load
         if not self.connector.decodes:  # a prefill worker: no speculation, no draft model
             sched_config = dataclasses.replace(sched_config, speculation=None)
-        if args.tensor_parallel_size > 1 and (self.connector.moves_kv or args.kv_offload):
+        if args.tensor_parallel_size > 1 and self.connector.moves_kv:
             raise ValueError(
                 f"invalid tensor_parallel_size={args.tensor_parallel_size}: a tensor-parallel "
-                "engine serves colocated, with no KV offload (moving the KV of heads split "
-                "over ranks is not built: run prefill and decode workers, or offload, at 1)"
+                "engine serves colocated (moving the KV of heads split over ranks between "
+                "workers is not built: run prefill and decode workers at 1)"
             )
         self.runner = ModelRunner(
             self.model_config,
@@ -100,7 +100,9 @@ class EngineCore:
             tier=tiers,
         )
         if tiers is not None:
-            self.offload = BlockMover(self.runner.kv_caches, self.runner.num_blocks, tiers)
+            self.offload = BlockMover(
+                self.runner.kv_caches, self.runner.num_blocks, tiers, self.runner.tp
+            )
             weakref.finalize(self, tiers.close)
         self.scheduler = Scheduler(sched_config, self.kv)
         self.limits = EngineLimits(

@@ -37,6 +37,8 @@ def tier_fingerprint(core, weights: str = "") -> bytes:
         f"row={core.runner.kv_row_width}",
         f"dtype={core.runner.dtype}",
         f"quantization={a.quantization}/{a.quantization_group_size}",
+        # a split engine's payload is every rank's rows, rank by rank: another layout
+        *([f"tp={a.tensor_parallel_size}"] if a.tensor_parallel_size > 1 else []),
         weights,
     )
 
@@ -46,7 +48,7 @@ def build_stack(core) -> TierStack | None:
     specs = parse_tiers(core.args.kv_offload)
     if not specs:
         return None
-    payload = core.runner.kv_bytes_per_block
+    payload = core.runner.kv_bytes_per_block * core.args.tensor_parallel_size  # every rank's
     tiers = []
     for spec in specs:
         if spec.kind == "cpu":
@@ -67,12 +69,20 @@ def build_stack(core) -> TierStack | None:
 
 
 class BlockMover:
-    def __init__(self, kv_caches: list[torch.Tensor], num_blocks: int, stack: TierStack) -> None:
+    """One rank's side of the copies; with tensor parallelism (`tp`, rank 0's group) a tier's
+    payload is every rank's rows of the block, rank 0's first (`TensorParallel.save_blocks`),
+    and the followers run the same mover on their caches."""
+
+    def __init__(
+        self, kv_caches: list[torch.Tensor], num_blocks: int, stack: TierStack | None, tp=None
+    ) -> None:
         # per layer [2, num_blocks, block elements]: a block is one contiguous run per K and V
         self.layers = [c.view(2, num_blocks, -1) for c in kv_caches]
         self.stack = stack
+        self.tp = tp
         self.dtype = kv_caches[0].dtype
         self.device = kv_caches[0].device
+        self.payload_bytes = len(self.layers) * 2 * self.layers[0].shape[-1] * self.dtype.itemsize
 
     def sync(self, kv: KVCacheManager) -> None:
         transfers: KVTransfers = kv.take_transfers()
@@ -82,14 +92,20 @@ class BlockMover:
         save = [(b, h) for b, h in transfers.save if not self.stack.holds(h)]
         if save:
             ids = torch.tensor([b for b, _ in save], device=self.device)
-            self.stack.save([h for _, h in save], self._gather(ids))
+            rows = self.gather(ids)
+            if self.tp is not None:
+                rows = self.tp.save_blocks(ids, rows)
+            self.stack.save([h for _, h in save], rows)
         if transfers.load:
             ids = torch.tensor([b for b, _ in transfers.load], device=self.device)
-            self._scatter(ids, [p for _, p in transfers.load])
+            rows = np.stack([p for _, p in transfers.load])
+            if self.tp is not None:
+                rows = self.tp.load_blocks(ids, rows)
+            self.scatter(ids, rows)
         self.stack.copy_s += time.perf_counter() - t0
 
-    def _gather(self, ids: torch.Tensor) -> np.ndarray:
-        """[n, payload bytes]: each row one block's payload."""
+    def gather(self, ids: torch.Tensor) -> np.ndarray:
+        """[n, payload bytes]: each row one block's payload (this rank's rows)."""
         n, width = ids.numel(), self.layers[0].shape[-1]
         stage = torch.empty((len(self.layers), 2, n, width), dtype=self.dtype, device=self.device)
         for layer, out in zip(self.layers, stage):
@@ -97,9 +113,10 @@ class BlockMover:
         blocks = stage.permute(2, 0, 1, 3).contiguous().cpu()  # [n, layers, 2, width]
         return blocks.view(torch.uint8).view(n, -1).numpy()
 
-    def _scatter(self, ids: torch.Tensor, payloads: list[np.ndarray]) -> None:
+    def scatter(self, ids: torch.Tensor, rows: np.ndarray) -> None:
+        """Writes the payloads `rows` [n, payload bytes] at blocks `ids`."""
         n, width = ids.numel(), self.layers[0].shape[-1]
-        data = torch.from_numpy(np.stack(payloads)).view(self.dtype)
+        data = torch.from_numpy(np.ascontiguousarray(rows)).view(self.dtype)
         blocks = data.view(n, len(self.layers), 2, width).to(self.device)
         for i, layer in enumerate(self.layers):
             layer.index_copy_(1, ids, blocks[:, i].transpose(0, 1))

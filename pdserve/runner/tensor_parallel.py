@@ -12,7 +12,10 @@ output head are whole on every rank, and only rank 0 computes logits.
 
 Collectives are torch.distributed's gloo backend over loopback, rendezvous through a file in a
 private directory (no TCP store port). A follower dies with rank 0 (PR_SET_PDEATHSIG) and rank
-0's next collective fails when a follower dies, so the engine fails as a whole.
+0's next collective fails when a follower dies, so the engine fails as a whole. KV offload
+moves whole blocks: rank 0 asks the followers for their rows of the blocks it saves
+(`SaveBlocks`) and hands them theirs of the blocks it loads (`LoadBlocks`), point to point, so a
+tier holds each block's every rank.
 """
 
 from __future__ import annotations
@@ -112,11 +115,24 @@ class Step(msgspec.Struct, tag=True):
         return t(self.input_ids), t(self.positions), meta
 
 
+class SaveBlocks(msgspec.Struct, tag=True):
+    """KV offload: each follower sends rank 0 its rows of these blocks (`BlockMover`)."""
+
+    ids: Array
+
+
+class LoadBlocks(msgspec.Struct, tag=True):
+    """KV offload: rank 0 sends each follower its rows of these blocks, to write at them."""
+
+    ids: Array
+
+
 class Stop(msgspec.Struct, tag=True):
     pass
 
 
-Message = Setup | Step | Stop
+Message = Setup | Step | SaveBlocks | LoadBlocks | Stop
+BLOCKS_TAG = 7  # the point-to-point messages that carry block rows
 
 
 class Group:
@@ -147,6 +163,13 @@ class Group:
         buf = torch.empty(int(self._length[0]), dtype=torch.uint8)
         self.pg.broadcast(buf, 0).wait()
         return self.decode(buf.numpy().tobytes())
+
+    def send_to(self, rank: int, t: torch.Tensor) -> None:
+        self.pg.send([t], rank, BLOCKS_TAG).wait()
+
+    def receive_from(self, rank: int, t: torch.Tensor) -> torch.Tensor:
+        self.pg.recv([t], rank, BLOCKS_TAG).wait()
+        return t
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -230,6 +253,25 @@ class TensorParallel:
     def setup(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype, width: int) -> None:
         self.group.send(Setup(num_blocks, block_size, str(kv_dtype).removeprefix("torch."), width))
 
+    def save_blocks(self, ids: torch.Tensor, own: np.ndarray) -> np.ndarray:
+        """KV offload: the whole payloads of blocks `ids` [n, size x this rank's bytes], rank r's
+        rows at the r-th part of each, from this rank's rows `own` and the followers'."""
+        self.group.send(SaveBlocks(Array.of(ids)))
+        parts = [own]
+        for r in range(1, self.size):
+            buf = torch.empty(own.shape, dtype=torch.uint8)
+            parts.append(self.group.receive_from(r, buf).numpy())
+        return np.concatenate(parts, axis=1)
+
+    def load_blocks(self, ids: torch.Tensor, payloads: np.ndarray) -> np.ndarray:
+        """KV offload: hands each follower its part of the payloads [n, size x per rank] of
+        blocks `ids`; returns this rank's."""
+        self.group.send(LoadBlocks(Array.of(ids)))
+        parts = np.split(payloads, self.size, axis=1)
+        for r in range(1, self.size):
+            self.group.send_to(r, torch.from_numpy(np.ascontiguousarray(parts[r])))
+        return parts[0]
+
     def close(self) -> None:
         group = getattr(self, "group", None)
         if group is not None and all(p.poll() is None for p in self.procs):
@@ -265,6 +307,7 @@ def _die_with_parent() -> None:
 def follow(rank: int, size: int, store: str, shard_args: ShardArgs) -> None:
     from pdserve.models.attention import make_backend
     from pdserve.models.loader import load_model
+    from pdserve.runner.kv_offload import BlockMover
     from pdserve.runner.model_runner import resolve_dtype
 
     key = bytes.fromhex(os.environ.pop(TP_SECRET_ENV))
@@ -278,6 +321,7 @@ def follow(rank: int, size: int, store: str, shard_args: ShardArgs) -> None:
                        shard_args.quantization, shard_args.group_size, tp=(rank, size))  # fmt: skip
     shard_model(model, group)
     caches: list[torch.Tensor] = []
+    mover: BlockMover | None = None  # this rank's side of KV offload
     shard = shard_config(cfg, size)
     try:
         while True:
@@ -292,6 +336,16 @@ def follow(rank: int, size: int, store: str, shard_args: ShardArgs) -> None:
                          shard.num_kv_heads, msg.row_width)  # fmt: skip
                 cache = torch.zeros(shape, dtype=getattr(torch, msg.kv_dtype), device=device)
                 caches = list(cache.unbind(0))
+                mover = BlockMover(caches, msg.num_blocks, None)
+                continue
+            if isinstance(msg, SaveBlocks):
+                rows = mover.gather(msg.ids.tensor(device))
+                group.send_to(0, torch.from_numpy(rows))
+                continue
+            if isinstance(msg, LoadBlocks):
+                ids = msg.ids.tensor(device)
+                rows = torch.empty((ids.numel(), mover.payload_bytes), dtype=torch.uint8)
+                mover.scatter(ids, group.receive_from(0, rows).numpy())
                 continue
             input_ids, positions, meta = msg.inputs(device)
             model(input_ids, positions, caches, meta)

@@ -1,7 +1,8 @@
 """Tensor parallelism (`tensor_parallel_size=2`): the same greedy tokens and logprobs as one rank
 (which tests/model/test_vs_transformers.py holds to transformers), with chunked prefill and
-prefix caching; quantized weights, each rank quantizing its shard; what the split cannot take
-yet is refused before anything starts; a follower that dies fails the next step at once with
+prefix caching; quantized weights, each rank quantizing its shard; a draft model on rank 0;
+KV offload tiers holding every rank's rows; what the split cannot take yet is refused before
+anything starts; a follower that dies fails the next step at once with
 the reason."""
 
 from __future__ import annotations
@@ -90,7 +91,6 @@ def test_two_ranks_decode_as_one_for_every_architecture(tiny_models, arch):
             {"tensor_parallel_size": 2, "speculative_method": "draft", "draft_layers": 2},
             "first layers would need the followers",
         ),
-        ({"tensor_parallel_size": 2, "kv_offload": ("cpu:1MiB",)}, "no KV offload"),
     ],
 )
 def test_what_the_split_cannot_take_is_refused(stories_path, kw, match):
@@ -126,6 +126,35 @@ def test_quantized_shards(stories_path, held_out_stories, quant):
             assert _perplexity(llm, text) / ref - 1 <= QUANT_BOUNDS[quant], text[:30]
         core = llm.engine.core
         assert core.kv.num_free_blocks() == core.kv.num_blocks
+    finally:
+        llm.close()
+
+
+@pytest.mark.slow  # 15 s each
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_kv_offload_moves_every_ranks_rows(stories_path, tmp_path, kind):
+    """Returning turns whose history was evicted from a small pool load it back from the tier,
+    followers' rows included: the same tokens as the split engine without a tier (a follower
+    reading stale rows would change them), every history from the tier, every block back."""
+    from test_kv_offload_engine import ALWAYS, SMALL_POOL, run_one_by_one, sessions, tiers
+
+    plain = LLM(stories_path, **SMALL_POOL, tensor_parallel_size=2)
+    prompts = sessions(plain.engine.core.model_config.vocab_size)
+    try:
+        want = run_one_by_one(plain, prompts)
+        assert plain.engine.core.kv.stats.hits == 0  # without a tier: recomputed
+    finally:
+        plain.close()
+    llm = LLM(stories_path, **SMALL_POOL, tensor_parallel_size=2, **ALWAYS,
+              kv_offload=tiers(kind, tmp_path))  # fmt: skip
+    try:
+        assert run_one_by_one(llm, prompts) == want
+        core = llm.engine.core
+        core.kv.pool.check_whole()
+        assert core.kv.tier.flush()
+        assert core.kv.stats.tier_hits == 6 * 80 and core.kv.tier.state().loaded_blocks == 60
+        # a tier's payload is both ranks' rows of a block
+        assert core.kv.tier.payload_bytes == 2 * core.runner.kv_bytes_per_block
     finally:
         llm.close()
 
