@@ -14,7 +14,10 @@ lowest-priority newest request. With `priority_preemption`, priorities go furthe
 prompt of a more urgent priority has tokens to compute, less urgent requests get none (their
 streams pause while it prefills), and a waiting urgent request preempts less urgent running
 ones for a sequence slot or KV blocks (they are recomputed later, from the prefix cache where it
-still holds them): the low priorities absorb the queueing. The rules are in `sched/priority.py`.
+still holds them): the low priorities absorb the queueing. While they sit out, an urgent prompt
+is not held to `long_prefill_token_threshold` (which bounds the pause of streams that share its
+steps, paused anyway): it takes what the step budget leaves after the urgent decodes. The rules
+are in `sched/priority.py`.
 
 Two settings serve interactive traffic (the chat profile):
 
@@ -153,9 +156,9 @@ class Scheduler:
         return bool(self.requests)
 
     # ---- the plan ------------------------------------------------------------------------
-    def _chunk(self, request: Request, budget: int) -> int:
+    def _chunk(self, request: Request, budget: int, unbounded: bool = False) -> int:
         n = min(request.num_tokens - request.num_computed_tokens, budget)
-        if self.config.long_prefill_token_threshold:
+        if self.config.long_prefill_token_threshold and not unbounded:
             n = min(n, self.config.long_prefill_token_threshold)
         return n
 
@@ -174,14 +177,16 @@ class Scheduler:
         out.num_preempted += 1
         return True
 
-    def _prefill_reserve(self, budget: int, sits_out: Callable[[Request], bool]) -> int:
+    def _prefill_reserve(
+        self, budget: int, sits_out: Callable[[Request], bool], unbounded: Callable
+    ) -> int:
         """prefill_first: the tokens the waiting head's next chunk needs this step."""
         if not (self.config.prefill_first and self.waiting) or sits_out(self.waiting[0]):
             return 0
         if len(self.running) + len(self.remote.waiting) >= self.config.max_num_seqs:
             return 0
         head = self.waiting[0]
-        return self._chunk(head, budget) if head.kv_role != KVRole.RECEIVE else 0
+        return self._chunk(head, budget, unbounded(head)) if head.kv_role != KVRole.RECEIVE else 0
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -192,7 +197,12 @@ class Scheduler:
         urgent = self.priority.urgent_level(self.running, self.waiting, now)
         level = self.priority.level(now)
         sits_out = (lambda r: level(r) > urgent) if urgent is not None else (lambda r: False)
-        reserve = self._prefill_reserve(budget, sits_out)
+        # While less urgent requests sit out, an urgent prompt is not held to the per-stream
+        # chunk (`long_prefill_token_threshold` bounds the pause of the streams sharing a step,
+        # and those streams are paused anyway): it takes what the budget leaves.
+        pausing = urgent is not None and any(sits_out(r) for r in (*self.running, *self.waiting))
+        unbounded = (lambda r: level(r) == urgent) if pausing else (lambda r: False)
+        reserve = self._prefill_reserve(budget, sits_out, unbounded)
         # prefill_first: one token of the budget stays with each running decode
         decodes_left = (
             sum(r.num_tokens - r.num_computed_tokens == 1 and not sits_out(r) for r in self.running)
@@ -214,12 +224,12 @@ class Scheduler:
                 i += 1
                 continue
             if not reserve:
-                num_new = self._chunk(request, budget)
+                num_new = self._chunk(request, budget, unbounded(request))
             elif request.num_tokens - request.num_computed_tokens == 1:
                 decodes_left -= 1
                 num_new = 1
             else:  # a prompt in prefill: after the new prompt's chunk and the decodes
-                num_new = self._chunk(request, budget - reserve - decodes_left)
+                num_new = self._chunk(request, budget - reserve - decodes_left, unbounded(request))
                 if num_new <= 0:
                     i += 1
                     continue
@@ -270,7 +280,7 @@ class Scheduler:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             remaining = request.num_tokens - request.num_computed_tokens - num_hit_tokens
             num_new = min(remaining, budget)
-            if self.config.long_prefill_token_threshold:
+            if self.config.long_prefill_token_threshold and not unbounded(request):
                 num_new = min(num_new, self.config.long_prefill_token_threshold)
             if num_new < remaining and not self.config.enable_chunked_prefill:
                 break

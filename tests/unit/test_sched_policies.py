@@ -239,3 +239,29 @@ def test_equal_priorities_preempt_nothing_for_admission():
 def test_scheduling_fields_are_checked(bad):
     with pytest.raises(ValueError, match="invalid"):
         SamplingParams(**bad)
+
+
+def test_an_urgent_prompt_is_not_held_to_the_chunk_while_lax_streams_sit_out():
+    """With lax streams paused for it, an urgent prompt takes the budget, not the per-stream
+    chunk (the threshold bounds the pause of streams sharing its steps, and those are paused);
+    with every request at one level the chunk holds as before."""
+    sched = make_scheduler(num_blocks=256, budget=32, priority_preemption=True,
+                           long_prefill_token_threshold=8)  # fmt: skip
+    lax = make_request("lax", num_prompt=4, max_tokens=40, priority=1, start=10)
+    sched.add_request(lax)
+    step(sched)
+    sched.add_request(make_request("urgent", num_prompt=80, max_tokens=4, priority=0, start=500))
+    assert step(sched) == {"urgent": 32}  # admitted with the whole budget
+    assert step(sched) == {"urgent": 32}
+    assert step(sched) == {"urgent": 16}
+    assert step(sched) == {"urgent": 1, "lax": 1}
+    while sched.has_unfinished:
+        step(sched)
+    sched.kv.pool.check_whole()
+
+    same = make_scheduler(num_blocks=256, budget=32, priority_preemption=True,
+                          long_prefill_token_threshold=8)  # fmt: skip
+    same.add_request(make_request("a", num_prompt=4, max_tokens=40, priority=0, start=10))
+    step(same)
+    same.add_request(make_request("b", num_prompt=80, max_tokens=4, priority=0, start=500))
+    assert step(same) == {"a": 1, "b": 8}
