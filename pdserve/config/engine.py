@@ -200,8 +200,9 @@ class EngineArgs:
         False,
         group=SCHEDULER_GROUP,
         help="while a prompt of a more urgent `priority` is in prefill, less urgent requests "
-        "get no tokens (their streams pause), and a waiting urgent request preempts less "
-        "urgent running ones for a sequence slot or KV blocks",
+        "get no tokens (their streams pause) and that prompt is not held to "
+        "--long-prefill-token-threshold, and a waiting urgent request preempts less urgent "
+        "running ones for a sequence slot or KV blocks",
     )
     speculative_method: str = setting(
         "none",
