@@ -199,9 +199,8 @@ class ShardArgs:
     seed: int
     quantization: str = "none"  # each rank quantizes its own shard at load
     group_size: int = 32
-    threads: int | None = (
-        None  # per rank, unpinned (`--num-threads`); else this process's CPUs split
-    )
+    # threads per rank, unpinned (`--num-threads`); None: this process's CPUs shared out
+    threads: int | None = None
 
 
 class TensorParallel:

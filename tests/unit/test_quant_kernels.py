@@ -89,6 +89,11 @@ def test_quantizers_reject_a_group_size_the_kernel_cannot_read():
         quantize_int4(weight(4, 64), 48)
 
 
+def test_int4_refuses_weights_its_float16_scales_cannot_hold():
+    with pytest.raises(ValueError, match="too large for int4's float16 scales"):
+        quantize_int4(torch.full((16, 32), 1e6), 32)
+
+
 @needs_native
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
