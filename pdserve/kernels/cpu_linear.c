@@ -10,7 +10,7 @@
  *
  * Layout: the weight is stored in panels of 16 output channels, k-major within a panel, so one
  * vector load gives one k for 16 channels. A thread takes PANELS panels (64 channels) and walks
- * k once per group of up to MR activation rows: each k's weight vectors are converted once and
+ * k once per group of up to MR activation rows: each k's weight vectors are loaded once and
  * multiplied by every row's broadcast x[m, k] into MR x PANELS accumulators (no horizontal
  * sums). N is padded with zero channels to whole blocks of PANELS panels.
  *

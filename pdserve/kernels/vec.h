@@ -13,22 +13,19 @@
 typedef float vf __attribute__((vector_size(4 * V)));
 typedef int32_t vi __attribute__((vector_size(4 * V)));
 typedef int8_t vb __attribute__((vector_size(V)));
-typedef uint8_t vu __attribute__((vector_size(V)));
 
 static inline vf load_f(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline vb load_b(const int8_t *p) { vb v; memcpy(&v, p, sizeof v); return v; }
-static inline vu load_u(const uint8_t *p) { vu v; memcpy(&v, p, sizeof v); return v; }
 static inline void store_f(float *p, vf v) { memcpy(p, &v, sizeof v); }
 static inline vf splat(float s) { return (vf){0} + s; }
 static inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
-/* 16 int8 (or 16 uint8) as 16 floats. */
+/* 16 int8 as 16 floats. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 static inline vf int8_f(const int8_t *p) {
     return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-static inline vf uint8_f(vu b) { return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)b)); }
 #elif defined(__AVX2__)
 #include <immintrin.h>
 static inline vf halves(__m256 lo, __m256 hi) {
@@ -42,19 +39,9 @@ static inline vf int8_f(const int8_t *p) {
     return halves(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
                   _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
 }
-static inline vf uint8_f(vu v) {
-    __m128i b = (__m128i)v;
-    return halves(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)),
-                  _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))));
-}
 #else
 static inline vf int8_f(const int8_t *p) {
     vb b = load_b(p);
-    vf v;
-    for (int i = 0; i < V; i++) v[i] = (float)b[i];
-    return v;
-}
-static inline vf uint8_f(vu b) {
     vf v;
     for (int i = 0; i < V; i++) v[i] = (float)b[i];
     return v;
