@@ -27,14 +27,6 @@
 #define PANELS 4
 #define MR 6
 
-static inline void store_out(float *y, int64_t n0, int64_t N, vf v) {
-    if (n0 + V <= N) {
-        store_f(y + n0, v);
-        return;
-    }
-    for (int64_t j = 0; n0 + j < N; j++) y[n0 + j] = v[j];
-}
-
 /* rows x[m0 .. m0 + mr) against panels [p0, p0 + PANELS) of float32 weights. */
 static inline __attribute__((always_inline)) void f32_tile(
     const float *x, int64_t K, const float *w, const float *bias, int64_t p0, int64_t N,

@@ -170,14 +170,6 @@ static int quantize_acts(const float *x, int64_t M, int64_t K, int64_t Kp, int32
 
 static void free_acts(acts_t *a) { free(a->mem); }
 
-static inline void store_out(float *y, int64_t n0, int64_t N, vf v) {
-    if (n0 + V <= N) {
-        store_f(y + n0, v);
-        return;
-    }
-    for (int64_t j = 0; n0 + j < N; j++) y[n0 + j] = v[j];
-}
-
 /* Rows m0 .. m0 + mr against panels p0 .. p0 + np of int4 weights (G inputs per scale). */
 static inline __attribute__((always_inline)) void int4_tile(
     const acts_t *a, int64_t G, const uint8_t *q, const uint16_t *scale, int64_t p0, int64_t N,

@@ -20,6 +20,15 @@ static inline void store_f(float *p, vf v) { memcpy(p, &v, sizeof v); }
 static inline vf splat(float s) { return (vf){0} + s; }
 static inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
+/* Lanes of v to y[n0 ..], the ones below N: a panel's last channels may be padding. */
+static inline void store_out(float *y, int64_t n0, int64_t N, vf v) {
+    if (n0 + V <= N) {
+        store_f(y + n0, v);
+        return;
+    }
+    for (int64_t j = 0; n0 + j < N; j++) y[n0 + j] = v[j];
+}
+
 /* 16 int8 as 16 floats. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
