@@ -14,7 +14,9 @@ transfer stays exposed behind its prefill.
    KV code at all): what any TCP transport, or one built on ZMQ, could reach on this machine.
 5. exposed: a real prefill of the prompt on an `EngineCore` whose layers hand their KV to the
    sender as they finish (shm, and tcp to a receiver in the same process); exposed = the time
-   the step loop waited for transfers after the forward, next to the prefill time.
+   the step loop waited for transfers after the forward, next to the prefill time; and once
+   more with the engine split over two tensor-parallel ranks (the followers' rows gathered to
+   rank 0 after the forward, then shipped).
 
 The model defaults to a random ~125M Llama written with `pdserve make-model --preset llama-125m`.
 """
@@ -22,6 +24,7 @@ The model defaults to a random ~125M Llama written with `pdserve make-model --pr
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import socket
@@ -116,7 +119,7 @@ def _tcp_receiver(cfg_path, block_size, tokens, conn):
         caches,
         "tcp",
         "tcp://127.0.0.1:0",
-        None,
+        [],
         layout_of(cfg, block_size),
         reservation=every_block(caches, block_size),
         key=KEY,
@@ -216,9 +219,13 @@ def ceiling_seconds(kind: str, num_bytes: int) -> float:
     return min(times)
 
 
-def exposed_seconds(model: str, tokens: int, block_size: int, transport: str = "shm") -> dict:
+def exposed_seconds(
+    model: str, tokens: int, block_size: int, transport: str = "shm", tp: int = 1
+) -> dict:
     """A real prefill with the sender hooked into every layer (tcp: to a receiver in this
-    process, whose receive threads take the rows while the prefill computes)."""
+    process, whose receive threads take the rows while the prefill computes). `tp` 2: the
+    engine split over two ranks, whose rows are gathered to rank 0 after the forward and shipped
+    from there (the gather counts as exposed: the step loop waits for it)."""
     from pdserve.engine.core import EngineCore
     from pdserve.types import KVRole, SamplingParams
 
@@ -228,6 +235,7 @@ def exposed_seconds(model: str, tokens: int, block_size: int, transport: str = "
         num_kv_blocks=4 * tokens // block_size,
         enable_prefix_caching=False,
         block_size=block_size,
+        tensor_parallel_size=tp,
     )
     core = EngineCore(args)
     cfg, runner = core.model_config, core.runner
@@ -240,7 +248,7 @@ def exposed_seconds(model: str, tokens: int, block_size: int, transport: str = "
         peer_caches,
         transport,
         f"ipc://{tempfile.mkdtemp()}/kv" if transport == "shm" else "tcp://127.0.0.1:0",
-        paths[0] if paths else None,
+        paths,
         layout,
         reservation=every_block(peer_caches, block_size),
         key=KEY,
@@ -248,7 +256,11 @@ def exposed_seconds(model: str, tokens: int, block_size: int, transport: str = "
     )
     sender = KVSender(0, runner.kv_caches, block_size, layout, KEY)
     sender.add_peer(recv.endpoint())
-    runner.add_layer_hook(sender.on_layer)
+    gather = None
+    if tp > 1:
+        gather = functools.partial(runner.tp.gather_rows, runner.kv_caches)
+    else:
+        runner.add_layer_hook(sender.on_layer)
     rng = np.random.default_rng(0)
     results = []
     for i in range(3):
@@ -266,18 +278,23 @@ def exposed_seconds(model: str, tokens: int, block_size: int, transport: str = "
         sender.begin_step(plan, core.kv.req_block_ids)
         core.execute(plan)
         t1 = time.perf_counter()
+        if gather is not None:
+            sender.ship_step(gather)
+        gathered = time.perf_counter()
         stats = sender.finish(rid, req.output_token_ids[0] if req.output_token_ids else 0)
         t2 = time.perf_counter()
         core.scheduler.remote.take_handed_off()
         results.append(
             {
                 "prefill_s": t1 - t0,
-                "exposed_s": sender.exposed_s - exposed0 + 0.0,
+                "exposed_s": sender.exposed_s - exposed0 + gathered - t1,
+                "gather_s": gathered - t1,
                 "flush_s": t2 - t1,
                 "transfer_bytes": stats[0] if stats else 0,
             }
         )
     recv.close()
+    core.close()
     best = min(results, key=lambda r: r["prefill_s"])
     return best
 
@@ -309,7 +326,7 @@ def main() -> None:
         peer,
         "shm",
         f"ipc://{tempfile.mkdtemp()}/kv",
-        paths[0],
+        paths,
         layout,
         reservation=every_block(peer, a.block_size),
         key=KEY,
@@ -334,6 +351,7 @@ def main() -> None:
     t_socket, t_zmq = (ceiling_seconds(kind, kv_bytes) for kind in ("socket", "zmq"))
     exposed = exposed_seconds(model, a.tokens, a.block_size)
     exposed_tcp = exposed_seconds(model, a.tokens, a.block_size, "tcp")
+    exposed_tp = exposed_seconds(model, a.tokens, a.block_size, "shm", tp=2)
 
     gbs = lambda t: kv_bytes / t / 1e9  # noqa: E731
     res = {
@@ -351,6 +369,7 @@ def main() -> None:
         "shm_copy_exact": ok,
         **{f"prefill_{k}": v for k, v in exposed.items()},
         **{f"tcp_prefill_{k}": v for k, v in exposed_tcp.items()},
+        **{f"tp2_prefill_{k}": v for k, v in exposed_tp.items()},
     }
     res["exposed_fraction_of_transfer"] = exposed["exposed_s"] / t_shm if t_shm else None
     print(f"KV of {a.tokens} tokens: {kv_bytes / 1e6:.1f} MB ({cfg.num_layers} layers)")
@@ -369,7 +388,7 @@ def main() -> None:
         print(
             f"  {kind:8} {v:7.2f} GB/s  ({v / res['memcpy_gbs']:.0%} of memcpy; loopback ceiling)"
         )
-    for name, e in (("shm", exposed), ("tcp", exposed_tcp)):
+    for name, e in (("shm", exposed), ("tcp", exposed_tcp), ("shm, TP=2 prefill", exposed_tp)):
         print(
             f"  {name}: prefill of {a.tokens} tokens {e['prefill_s'] * 1e3:.0f} ms; transfer "
             f"left exposed after it: {e['exposed_s'] * 1e3:.1f} ms "

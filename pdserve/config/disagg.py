@@ -204,12 +204,6 @@ def worker_specs(
     """(role, engine args, CPU set) of every worker, prefill workers first. With no prefill
     workers the decode workers are colocated ones (role both). On a Ray cluster a worker runs
     as many threads as the CPUs its actor reserves (this host's CPU sets mean nothing there)."""
-    if args.tensor_parallel_size > 1 and (disagg.disaggregated or disagg.switchable):
-        raise ValueError(
-            f"invalid tensor_parallel_size={args.tensor_parallel_size}: tensor-parallel workers "
-            "serve colocated (moving the KV of heads split over ranks between workers is not "
-            "built); use --prefill-workers 0 and --pd-ratio static, or tensor_parallel_size 1"
-        )
     if disagg.ray_address:
         threads = args.num_threads or max(1, int(disagg.ray_cpus_per_worker))
         local = replace(disagg, ray_address=None, prefill_cpus=(), decode_cpus=())

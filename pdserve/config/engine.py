@@ -258,9 +258,10 @@ class EngineArgs:
     tensor_parallel_size: int = setting(
         1,
         metavar="N",
+        per_pool=True,
         help="split the model's heads and MLP over N ranks of this engine (this process and "
-        "N-1 it starts; CPU, gloo): colocated serving only, no --draft-layers; "
-        "see docs/ARCHITECTURE.md",
+        "N-1 it starts; CPU, gloo), in any role; pools may differ (KV crosses with every head); "
+        "no --draft-layers; see docs/ARCHITECTURE.md",
         checks=(at_least(1),),
     )
     num_threads: int | None = setting(

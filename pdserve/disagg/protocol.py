@@ -62,7 +62,9 @@ class PeerEndpoint(msgspec.Struct, frozen=True):
     worker_id: int
     kv_address: str  # ZMQ address of the decode worker's KV channel
     transport: KVTransportKind
-    shm_path: str | None  # shm: the file that holds the decode worker's cache
+    # shm: the files that hold the decode worker's cache, one per tensor-parallel rank in rank
+    # order, each with an equal share of the KV heads (one file: every head)
+    shm_paths: list[str]
     layout: KVLayout
 
 

@@ -64,12 +64,6 @@ class EngineCore:
         sched_config = args.scheduler_config(max_len)  # checked before the weights load
         if not self.connector.decodes:  # a prefill worker: no speculation, no draft model
             sched_config = dataclasses.replace(sched_config, speculation=None)
-        if args.tensor_parallel_size > 1 and self.connector.moves_kv:
-            raise ValueError(
-                f"invalid tensor_parallel_size={args.tensor_parallel_size}: a tensor-parallel "
-                "engine serves colocated (moving the KV of heads split over ranks between "
-                "workers is not built: run prefill and decode workers at 1)"
-            )
         self.runner = ModelRunner(
             self.model_config,
             cache_config,

@@ -383,6 +383,6 @@ class WorkerPool:
     @staticmethod
     def _cleanup_shm(w: WorkerHandle) -> None:
         ep = w.info.kv_endpoint if w.info is not None else None
-        if ep is not None and ep.shm_path and os.path.exists(ep.shm_path):
+        for path in ep.shm_paths if ep is not None else ():
             with contextlib.suppress(OSError):
-                os.unlink(ep.shm_path)
+                os.unlink(path)

@@ -135,8 +135,6 @@ class ModelRunner:
                                                  enforce_eager, quantization, group_size)  # fmt: skip
         self._use_fused_decode(enforce_eager, tensor_parallel_size)
         self.num_blocks = self._num_blocks(cache_config)
-        if self.tp is not None:
-            self.tp.setup(self.num_blocks, self.block_size, self.kv_dtype, self.kv_row_width)
         shape = (
             model_config.num_layers,
             2,
@@ -149,6 +147,17 @@ class ModelRunner:
         else:
             cache = kv_cache_factory(shape, self.kv_dtype)
         self.kv_caches = list(cache.unbind(0))  # per layer [2, num_slots, Hkv, D]
+        if self.tp is not None:
+            # where the cache must be reachable (a decode worker's, in shared memory), each
+            # follower's is a file made the same way, which it maps
+            paths = None
+            if kv_cache_factory is not None:
+                made = [kv_cache_factory(shape, self.kv_dtype) for _ in range(1, self.tp.size)]
+                paths = [t.untyped_storage().filename for t in made]
+                if None in paths:
+                    raise ValueError("the KV cache factory made a cache no follower can map")
+            self.tp.setup(self.num_blocks, self.block_size, self.kv_dtype, self.kv_row_width,
+                          paths)  # fmt: skip
         self.sampler = Sampler(model_config.eos_token_ids)
         self.drafter = self._drafter(draft_layers)
         if self.drafter is not None:

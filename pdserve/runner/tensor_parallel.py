@@ -16,6 +16,13 @@ private directory (no TCP store port). A follower dies with rank 0 (PR_SET_PDEAT
 moves whole blocks: rank 0 asks the followers for their rows of the blocks it saves
 (`SaveBlocks`) and hands them theirs of the blocks it loads (`LoadBlocks`), point to point, so a
 tier holds each block's every rank.
+
+Between prefill and decode workers KV travels with every head (`KVLayout` is the model's), so
+the two pools' sizes are independent. A tensor-parallel prefill worker gathers the followers'
+rows of each step's slots to rank 0 after the forward (`GatherRows`) and ships them from there;
+a tensor-parallel decode worker over `shm` keeps every rank's cache in a file of its own, which
+prefill workers write directly, and over `tcp` rank 0 receives the rows and hands each follower
+its heads before the next step (`WriteRows`).
 """
 
 from __future__ import annotations
@@ -84,6 +91,9 @@ class Setup(msgspec.Struct, tag=True):
     block_size: int
     kv_dtype: str
     row_width: int
+    # a decode worker's cache in shared memory: each follower's file, in rank order (prefill
+    # workers write them)
+    cache_paths: list[str] | None = None
 
 
 class Step(msgspec.Struct, tag=True):
@@ -127,11 +137,27 @@ class LoadBlocks(msgspec.Struct, tag=True):
     ids: Array
 
 
+class GatherRows(msgspec.Struct, tag=True):
+    """A prefill worker's KV transfer: each follower sends rank 0 its rows of these slots, every
+    layer ([layers, 2, slots, its heads, row])."""
+
+    slots: Array
+
+
+class WriteRows(msgspec.Struct, tag=True):
+    """A decode worker's KV received over tcp: rank 0 sends each follower its heads of these
+    rows ([2, slots, its heads, row]), `counts[i]` slots in a row for layer `layers[i]`."""
+
+    layers: list[int]
+    counts: list[int]
+    slots: Array
+
+
 class Stop(msgspec.Struct, tag=True):
     pass
 
 
-Message = Setup | Step | SaveBlocks | LoadBlocks | Stop
+Message = Setup | Step | SaveBlocks | LoadBlocks | GatherRows | WriteRows | Stop
 BLOCKS_TAG = 7  # the point-to-point messages that carry block rows
 
 
@@ -249,8 +275,35 @@ class TensorParallel:
         logger.info("tensor parallel: %d ranks over gloo (followers: %s)", size,
                     [p.pid for p in self.procs])  # fmt: skip
 
-    def setup(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype, width: int) -> None:
-        self.group.send(Setup(num_blocks, block_size, str(kv_dtype).removeprefix("torch."), width))
+    def setup(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype, width: int,
+              cache_paths: list[str] | None = None) -> None:  # fmt: skip
+        """Each follower allocates its cache: in memory, or mapped from its file of
+        `cache_paths` (one per follower, in rank order)."""
+        dtype = str(kv_dtype).removeprefix("torch.")
+        self.group.send(Setup(num_blocks, block_size, dtype, width, cache_paths))
+
+    def gather_rows(self, caches: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+        """The rows of `slots` in every layer with every rank's KV heads, [layers, 2, slots,
+        heads, row] (rank 0's rows from `caches`, the followers' sent point to point)."""
+        self.group.send(GatherRows(Array.of(slots)))
+        own = torch.stack([c.index_select(1, slots) for c in caches])
+        parts = [own]
+        for r in range(1, self.size):
+            parts.append(self.group.receive_from(r, torch.empty_like(own)))
+        return torch.cat(parts, dim=3)
+
+    def write_rows(self, pending: list[tuple[int, np.ndarray, torch.Tensor]]) -> None:
+        """Hands the followers their heads of rows received for this worker's cache: each item
+        (layer, destination slots, [2, slots, the followers' heads, row], rank 1's first)."""
+        if not pending:
+            return
+        slots = np.concatenate([dst for _, dst, _ in pending])
+        self.group.send(WriteRows([layer for layer, _, _ in pending],
+                                  [len(dst) for _, dst, _ in pending],
+                                  Array.of(torch.from_numpy(slots))))  # fmt: skip
+        rows = torch.cat([r for _, _, r in pending], dim=1)
+        for r, part in enumerate(rows.chunk(self.size - 1, dim=2), start=1):
+            self.group.send_to(r, part.contiguous())
 
     def save_blocks(self, ids: torch.Tensor, own: np.ndarray) -> np.ndarray:
         """KV offload: the whole payloads of blocks `ids` [n, size x this rank's bytes], rank r's
@@ -333,7 +386,13 @@ def follow(rank: int, size: int, store: str, shard_args: ShardArgs) -> None:
             if isinstance(msg, Setup):
                 shape = (cfg.num_layers, 2, msg.num_blocks * msg.block_size,
                          shard.num_kv_heads, msg.row_width)  # fmt: skip
-                cache = torch.zeros(shape, dtype=getattr(torch, msg.kv_dtype), device=device)
+                kv_dtype = getattr(torch, msg.kv_dtype)
+                if msg.cache_paths:  # shared: prefill workers write this rank's heads here
+                    path, numel = msg.cache_paths[rank - 1], int(np.prod(shape))
+                    cache = torch.from_file(path, shared=True, size=numel, dtype=kv_dtype)
+                    cache = cache.view(shape)
+                else:
+                    cache = torch.zeros(shape, dtype=kv_dtype, device=device)
                 caches = list(cache.unbind(0))
                 mover = BlockMover(caches, msg.num_blocks, None)
                 continue
@@ -345,6 +404,19 @@ def follow(rank: int, size: int, store: str, shard_args: ShardArgs) -> None:
                 ids = msg.ids.tensor(device)
                 rows = torch.empty((ids.numel(), mover.payload_bytes), dtype=torch.uint8)
                 mover.scatter(ids, group.receive_from(0, rows).numpy())
+                continue
+            if isinstance(msg, GatherRows):
+                slots = msg.slots.tensor(device)
+                group.send_to(0, torch.stack([c.index_select(1, slots) for c in caches]))
+                continue
+            if isinstance(msg, WriteRows):
+                slots = msg.slots.tensor(device)
+                shape = (2, slots.numel(), shard.num_kv_heads, caches[0].shape[-1])
+                rows = group.receive_from(0, torch.empty(shape, dtype=caches[0].dtype))
+                at = 0
+                for layer, n in zip(msg.layers, msg.counts):
+                    caches[layer].index_copy_(1, slots[at : at + n], rows[:, at : at + n])
+                    at += n
                 continue
             input_ids, positions, meta = msg.inputs(device)
             model(input_ids, positions, caches, meta)

@@ -490,3 +490,34 @@ def test_int8_kv_cache_disaggregated_equals_the_offline_engine(stories_path, tra
         s.wait_idle()
     finally:
         s.stop()
+
+
+@SLOW
+@pytest.mark.parametrize(
+    ("transport", "prefill_tp", "decode_tp"),
+    [("shm", 2, 1), ("shm", 1, 2), ("tcp", 2, 2)],
+    ids=["shm-tp2-to-tp1", "shm-tp1-to-tp2", "tcp-tp2-to-tp2"],
+)
+def test_tensor_parallel_workers_hand_over_every_kv_head(
+    stories_path, offline, transport, prefill_tp, decode_tp
+):
+    """The KV crosses with every head whatever each pool's tensor-parallel size: a split prefill
+    worker gathers its followers' rows after each (chunked) step, a split decode worker takes
+    each rank's heads into that rank's cache. Greedy outputs equal the one-rank offline engine;
+    a mismatched head would change them (stories260K's 4 KV heads, 2 per rank)."""
+    s = start_server(
+        stories_path,
+        "--prefill-workers", "1", "--decode-workers", "1", "--kv-transport", transport,
+        "--prefill-tensor-parallel-size", str(prefill_tp),
+        "--decode-tensor-parallel-size", str(decode_tp),
+        *CHUNK,
+    )  # fmt: skip
+    try:
+        for prompt in (STORY, PROMPTS[2] + " The end."):
+            assert completion(s, prompt)["choices"][0]["text"] == expected(offline, prompt)[0]
+        assert s.metric("pdserve_router_decisions_total", 'decision="remote"') == 2
+        assert s.metric("pdserve_kv_transfer_fallbacks_total") == 0
+        assert s.metric("pdserve_kv_transfer_bytes_total") > 0
+        s.wait_idle()
+    finally:
+        s.stop()

@@ -46,8 +46,10 @@ def switch(server, prefill_workers):
     )
 
 
-def test_manual_switches_under_load_lose_nothing(stories_path, offline):
-    s = start_server(stories_path, "--decode-workers", "2", "--pd-ratio", "manual")
+@pytest.mark.parametrize("split", [(), ("--tensor-parallel-size", "2")], ids=["tp1", "tp2"])
+def test_manual_switches_under_load_lose_nothing(stories_path, offline, split):
+    """tp2: each worker two ranks, the KV of split heads crossing both ways as roles change."""
+    s = start_server(stories_path, "--decode-workers", "2", "--pd-ratio", "manual", *split)
     try:
         d = deployment(s)
         assert (d["control"], d["split"]) == ("manual", "2 colocated")

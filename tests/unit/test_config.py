@@ -150,20 +150,15 @@ def test_ray_placement_settings():
     assert DisaggConfig(num_prefill_workers=1).kv_transport == "shm"  # no cluster: unchanged
 
 
-def test_tensor_parallel_workers_are_colocated_only():
+def test_tensor_parallel_size_is_set_per_pool():
     from pdserve.config import DisaggConfig, worker_specs
 
     args = EngineArgs(model="m", tensor_parallel_size=2)
-    assert [r for r, _, _ in worker_specs(args, DisaggConfig(num_decode_workers=2))] == [
-        "both",
-        "both",
-    ]
-    for d in (
-        DisaggConfig(num_prefill_workers=1),
-        DisaggConfig(num_decode_workers=2, pd_ratio="manual"),
-    ):
-        with pytest.raises(ValueError, match="tensor-parallel workers serve colocated"):
-            worker_specs(args, d)
+    d = DisaggConfig(num_decode_workers=2, pd_ratio="manual")
+    assert [a.tensor_parallel_size for _, a, _ in worker_specs(args, d)] == [2, 2]
+    d = DisaggConfig(num_prefill_workers=1, decode_overrides={"tensor_parallel_size": 1})
+    specs = worker_specs(args, d)
+    assert [(r, a.tensor_parallel_size) for r, a, _ in specs] == [("prefill", 2), ("decode", 1)]
 
 
 @pytest.mark.parametrize(

@@ -127,6 +127,7 @@ INVALID = {
     "max_num_batched_tokens": ("0", ">= 1"),
     "max_num_seqs": ("0", ">= 1"),
     "long_prefill_token_threshold": ("-1", ">= 0"),
+    "tensor_parallel_size": ("0", ">= 1"),
 }
 
 
@@ -216,6 +217,8 @@ def test_pool_flags_become_overrides_of_that_pool_only():
     (_, prefill, _), (_, decode, _) = worker_specs(from_args(EngineArgs, args), disagg)
     assert (prefill.max_num_batched_tokens, prefill.max_num_seqs) == (512, 64)
     assert (decode.max_num_batched_tokens, decode.max_num_seqs) == (2048, 8)
+    args = parse_serve("--prefill-workers", "1", "--prefill-tensor-parallel-size", "2")
+    assert disagg_config_from(args).prefill_overrides == {"tensor_parallel_size": 2}
 
 
 @pytest.mark.parametrize(

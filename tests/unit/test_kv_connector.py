@@ -81,7 +81,7 @@ def test_sender_writes_exactly_the_new_rows(tmp_path, transport, tables):
         peer,
         transport,
         address,
-        paths[0] if paths else None,
+        paths,
         LAYOUT,
         tables_of.get,
         KEY,
@@ -138,6 +138,72 @@ def test_sender_writes_exactly_the_new_rows(tmp_path, transport, tables):
         recv.close()
 
 
+class _Followers:
+    """Stands in for a tensor-parallel decode worker's group: records what rank 0 hands on."""
+
+    def __init__(self) -> None:
+        self.written: list[tuple[int, np.ndarray, torch.Tensor]] = []
+
+    def write_rows(self, pending) -> None:
+        self.written += pending
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("sender_split", [False, True], ids=["whole-sender", "split-sender"])
+def test_every_kv_head_reaches_the_rank_that_holds_it(tmp_path, transport, sender_split):
+    """Rows travel with every KV head whatever the two workers' tensor-parallel sizes: a split
+    prefill worker ships its followers' heads gathered after the forward (`ship_step`), a split
+    decode worker takes each rank's heads into that rank's cache (shm: one file per rank, tcp:
+    rank 0 keeps its own and hands the rest on)."""
+    torch.manual_seed(1)
+    slots_total = NUM_BLOCKS * BLOCK
+    whole = torch.randn(LAYERS, 2, slots_total, HEADS, HEAD_DIM)  # the prefill side, every head
+    own = list((whole[:, :, :, :1] if sender_split else whole).contiguous().unbind(0))
+    share = (LAYERS, 2, slots_total, HEADS // 2, HEAD_DIM)  # a decode rank's cache
+    paths: list[str] = []
+    if transport == "shm":
+        factory = shm_cache_factory(paths, str(tmp_path))
+        ranks = [factory(share, torch.float32) for _ in range(2)]
+    else:
+        ranks = [torch.zeros(share)]
+    followers = _Followers()
+    address = f"ipc://{tmp_path}/kv" if transport == "shm" else "tcp://127.0.0.1:0"
+    table = [5, 9, 2, 30]  # scattered on purpose
+    recv = KVReceiver(1, list(ranks[0].unbind(0)), transport, address, paths, LAYOUT,
+                      {"r": table}.get, KEY, max_tokens=64,
+                      tp=followers if transport == "tcp" else None)  # fmt: skip
+    sender = KVSender(0, own, BLOCK, LAYOUT, KEY)
+    try:
+        sender.add_peer(recv.endpoint())
+        sender.add_request("r", KVDest(1, table, 0))
+        src_table = [1, 2, 3, 4]
+        sender.begin_step(plan("r", 0, 14), {"r": src_table})
+        if sender_split:  # rank 0's share and the followers' gathered, every layer at once
+            sender.ship_step(lambda s: whole[:, :, s])
+        else:
+            for layer in range(LAYERS):
+                sender.on_layer(layer)
+        sender.finish("r", first_token=3)
+        sender.flush()
+        done = []
+        wait_for(lambda: done.extend(recv.poll()[0]) or done)
+        assert done[0].num_bytes == 14 * LAYERS * 2 * HEADS * HEAD_DIM * 4  # every head
+        dst, src = slots(table, 0, 14), slots(src_table, 0, 14)
+        if transport == "shm":
+            for r, cache in enumerate(ranks):
+                assert torch.equal(cache[:, :, dst], whole[:, :, src, r : r + 1])
+        else:
+            assert torch.equal(ranks[0][:, :, dst], whole[:, :, src, :1])
+            by_layer = {layer: (d, rows) for layer, d, rows in followers.written}
+            assert sorted(by_layer) == list(range(LAYERS))
+            for layer, (d, rows) in by_layer.items():
+                assert np.array_equal(d, dst.numpy())
+                assert torch.equal(rows, whole[layer][:, src, 1:])
+        assert not recv.dropped
+    finally:
+        recv.close()
+
+
 # ---- a hostile peer on the KV channel ------------------------------------------------------
 
 
@@ -150,7 +216,7 @@ def tcp_receiver():
         cache,
         "tcp",
         "tcp://127.0.0.1:0",
-        None,
+        [],
         LAYOUT,
         {"r": [2, 3]}.get,
         KEY,
@@ -275,7 +341,7 @@ def test_a_channel_to_a_dead_receiver_drops_messages_and_reconnects(tcp_receiver
     for seq in range(2, 50):  # the first sends may still fill the kernel's buffers
         push.send_multipart(layer_frames(KEY, seq=seq))
     assert push.num_lost > 0
-    again = KVReceiver(1, cache, "tcp", address, None, LAYOUT, {"r": [2, 3]}.get, KEY, 64)
+    again = KVReceiver(1, cache, "tcp", address, [], LAYOUT, {"r": [2, 3]}.get, KEY, 64)
     try:
         push.next_try = 0.0  # no waiting out the reconnect pause in a test
         deliver(again, push, layer_frames(KEY, seq=60, dst=(9,)))

@@ -4,7 +4,8 @@ The receiver owns the decode worker's KV channel: it applies `tcp` layer frames 
 collects the `KVDone` / `KVAborted` signals for the step loop, which the connector turns into the
 scheduler's `RemoteKV` transitions. The channel is a ZMQ PULL socket for `shm` (control messages
 only: the rows are in shared memory already) and plain TCP streams read by receive threads for
-`tcp` (`stream.py`).
+`tcp` (`stream.py`). Rows travel with every KV head; a tensor-parallel receiver writes its own
+heads and hands the followers theirs before the step loop goes on (`TensorParallel.write_rows`).
 """
 
 from __future__ import annotations
@@ -56,17 +57,23 @@ class KVReceiver:
         kv_caches: list[torch.Tensor],
         transport: str,
         address: str,
-        shm_path: str | None,
+        shm_paths: list[str],
         layout: KVLayout,
         reservation: Callable[[str], list[int] | None],
         key: bytes,
         max_tokens: int,
+        tp=None,
     ) -> None:
         self.worker_id = worker_id
         self.kv_caches = kv_caches
         self.transport = transport
-        self.shm_path = shm_path
+        self.shm_paths = shm_paths
         self.layout = layout
+        # tensor parallel (rank 0's group): rows arrive with every KV head; this rank keeps the
+        # first `own_heads`, the rest wait in `pending` for the followers until `poll` ends
+        self.tp = tp
+        self.own_heads = kv_caches[0].shape[2]
+        self.pending: list[tuple[int, np.ndarray, torch.Tensor]] = []
         self.reservation = reservation  # the block ids a request holds for remote KV, or None
         self.key = key
         self.num_slots = kv_caches[0].shape[1]
@@ -94,7 +101,7 @@ class KVReceiver:
 
     def endpoint(self) -> PeerEndpoint:
         return PeerEndpoint(
-            self.worker_id, self.address, self.transport, self.shm_path, self.layout
+            self.worker_id, self.address, self.transport, self.shm_paths, self.layout
         )
 
     @property
@@ -128,6 +135,9 @@ class KVReceiver:
                     aborted.append(msg)
             except _Dropped as e:
                 self._drop(e.reason, str(e))
+        if self.pending:  # the followers' heads, before any step can read them
+            self.tp.write_rows(self.pending)
+            self.pending = []
         return done, aborted
 
     def _open(self, frames) -> KVDone | KVAborted | KVLayerHeader:
@@ -174,8 +184,11 @@ class KVReceiver:
             raise _Dropped("out_of_bounds", f"slots outside the blocks of {header.request_id}")
         cache = self.kv_caches[header.layer]
         rows = torch.frombuffer(rows_buf, dtype=cache.dtype).view(
-            2, n, cache.shape[2], cache.shape[3]
+            2, n, self.layout.num_kv_heads, cache.shape[3]
         )
+        if self.tp is not None:  # copied now: the receive buffer is reused
+            self.pending.append((header.layer, dst.copy(), rows[:, :, self.own_heads :].clone()))
+            rows = rows[:, :, : self.own_heads]
         start = stretch_start(dst)
         if start is not None:
             cache[:, start : start + n].copy_(rows)  # one stretch: a plain copy, 2x faster
@@ -195,8 +208,9 @@ class KVReceiver:
             self.sock.close(linger=0)
         if self.stream is not None:
             self.stream.close()
-        if self.shm_path and os.path.exists(self.shm_path):
-            os.unlink(self.shm_path)
+        for path in self.shm_paths:
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 class _Dropped(Exception):
@@ -228,11 +242,12 @@ class ReceivingConnector(KVConnector):
             core.runner.kv_caches,
             self.kind,
             self.address,
-            self.shm_paths[0] if self.shm_paths else None,
+            self.shm_paths,  # one file per rank (the cache factory made them in rank order)
             layout_of(core),
             reservation=core.scheduler.remote.block_ids,
             key=self.key,
             max_tokens=core.max_model_len,
+            tp=core.runner.tp,
         )
 
     def endpoint(self) -> PeerEndpoint:

@@ -7,11 +7,13 @@ worker are queued for transfer, and a background thread moves them (through the 
 compute. When a request's prefill ends, the sender waits for its queued transfers (the *exposed*
 transfer time) and then tells the decode worker, on the same ordered channel, that the KV is
 complete, with the first token. Every message is sealed with the deployment key and a sequence
-number (`seal`).
+number (`seal`). A tensor-parallel prefill worker ships every KV head: its followers' rows of
+the step come to rank 0 after the forward (`ship_step`), and leave from there.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import secrets
@@ -55,6 +57,14 @@ def contiguous_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, in
     starts = np.concatenate(([0], breaks))
     ends = np.concatenate((breaks, [len(src)]))
     return [(int(src[a]), int(dst[a]), int(b - a)) for a, b in zip(starts, ends)]
+
+
+def _copy_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]] | None:
+    """The stretches to copy one by one, or None when they are too short to pay."""
+    runs = contiguous_runs(src, dst)
+    if len(runs) > 1 and len(runs) * MIN_MEAN_RUN_TOKENS > len(src):
+        return None
+    return runs
 
 
 @dataclass
@@ -158,16 +168,13 @@ class KVSender:
             dst_table = np.asarray(t.dest.block_ids, dtype=np.int64)
             src = src_table[pos // bs] * bs + pos % bs
             dst = dst_table[pos // bs] * bs + pos % bs
-            runs = contiguous_runs(src, dst)
-            if len(runs) > 1 and len(runs) * MIN_MEAN_RUN_TOKENS > len(pos):
-                runs = None
             job = LayerJob(
                 req.request_id,
                 t.dest.worker_id,
                 torch.from_numpy(src),
                 torch.from_numpy(dst),
                 t,
-                runs,
+                _copy_runs(src, dst),
             )
             self.step_jobs.append(job)
             t.sent_upto = end
@@ -177,7 +184,25 @@ class KVSender:
 
     def on_layer(self, layer: int) -> None:
         for job in self.step_jobs:
-            self.jobs.put(("layer", layer, job))
+            self.jobs.put(("layer", layer, job, self.own[layer]))
+
+    def ship_step(self, gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """After the forward, instead of layer by layer: a tensor-parallel worker's rows of
+        this step (`gather(slots)` -> [layers, 2, slots, every KV head, row]) are queued
+        for the transfer thread."""
+        if not self.step_jobs:
+            return
+        rows = gather(torch.cat([job.src for job in self.step_jobs]))
+        at = 0
+        for job in self.step_jobs:
+            n = job.src.numel()
+            src = np.arange(at, at + n)
+            moved = LayerJob(job.request_id, job.peer_id, torch.from_numpy(src), job.dst,
+                             job.transfer, _copy_runs(src, job.dst.numpy()))  # fmt: skip
+            for layer in range(len(rows)):
+                self.jobs.put(("layer", layer, moved, rows[layer]))
+            at += n
+        self.step_jobs = []
 
     def finish(self, request_id: str, first_token: int) -> tuple[int, float, float] | None:
         """The prefill of a request is complete: flush its KV, then signal the decode worker.
@@ -217,11 +242,11 @@ class KVSender:
             try:
                 kind = item[0]
                 if kind == "layer":
-                    _, layer, job = item
+                    _, layer, job, source = item
                     peer = self.peers.get(job.peer_id)
                     if peer is not None:
                         t0 = time.perf_counter()
-                        peer.writer.write_layer(job, layer, self.own[layer], peer.send)
+                        peer.writer.write_layer(job, layer, source, peer.send)
                         job.transfer.busy_s += time.perf_counter() - t0
                 elif kind == "ctl":
                     _, peer_id, msg = item
@@ -246,6 +271,7 @@ class SendingConnector(KVConnector):
     def __init__(self, worker_id: int, key: bytes) -> None:
         self.worker_id, self.key = worker_id, key
         self.sender: KVSender | None = None
+        self.gather = None  # tensor parallel: every rank's rows of the given slots
         self.transfers: list[TransferStat] = []
 
     def attach(self, core) -> None:
@@ -253,7 +279,10 @@ class SendingConnector(KVConnector):
         self.sender = KVSender(
             self.worker_id, runner.kv_caches, runner.block_size, layout_of(core), self.key
         )
-        runner.add_layer_hook(self.sender.on_layer)
+        if runner.tp is None:
+            runner.add_layer_hook(self.sender.on_layer)
+        else:  # the followers' heads come to rank 0 after the forward (one collective a step)
+            self.gather = functools.partial(runner.tp.gather_rows, runner.kv_caches)
 
     @property
     def exposed_s(self) -> float:
@@ -269,6 +298,8 @@ class SendingConnector(KVConnector):
         self.sender.begin_step(plan, block_tables)
 
     def end_step(self, handed_off: list[Request], outputs: list[EngineCoreOutput]) -> None:
+        if self.gather is not None:
+            self.sender.ship_step(self.gather)
         for req in handed_off:  # flush their KV, then hand them to the decode worker
             res = self.sender.finish(req.request_id, req.output_token_ids[0])
             if res is not None:

@@ -3,7 +3,9 @@
 The decode worker allocates its KV cache in a file private to the user (0600, in the deployment's
 0700 directory); each prefill worker maps that file and copies rows straight into the decode
 worker's blocks: one copy per stretch of slots that is contiguous on both sides, or a gather and a
-scatter when the stretches are short (block tables scattered over the caches).
+scatter when the stretches are short (block tables scattered over the caches). A
+tensor-parallel decode worker has one such file per rank, each with its share of the KV heads,
+and the prefill worker writes each rank's heads into its file.
 """
 
 from __future__ import annotations
@@ -34,30 +36,36 @@ def shm_cache_factory(path_holder: list[str], directory: str | None = None) -> C
     return make
 
 
-def map_shm_cache(path: str, layout: KVLayout, dtype: torch.dtype) -> torch.Tensor:
-    """Map a decode worker's whole cache file. Its slot count is the decode worker's own (pools
-    may size their caches differently), so it comes from the file's size, never from ours."""
-    row = layout.num_layers * 2 * layout.num_kv_heads * layout.row_width
+def map_shm_cache(path: str, layout: KVLayout, dtype: torch.dtype, num_heads: int) -> torch.Tensor:
+    """Map a decode worker's cache file of `num_heads` KV heads (a tensor-parallel rank's share,
+    or all of them). Its slot count is the decode worker's own (pools may size their caches
+    differently), so it comes from the file's size, never from ours."""
+    row = layout.num_layers * 2 * num_heads * layout.row_width
     itemsize = torch.empty((), dtype=dtype).element_size()
     size = os.path.getsize(path)
     if size == 0 or size % (row * itemsize):
         raise ValueError(f"{path}: {size} bytes is not a whole KV cache of {layout}")
     num_slots = size // (row * itemsize)
-    shape = (layout.num_layers, 2, num_slots, layout.num_kv_heads, layout.row_width)
+    shape = (layout.num_layers, 2, num_slots, num_heads, layout.row_width)
     return torch.from_file(path, shared=True, size=size // itemsize, dtype=dtype).view(shape)
 
 
 @dataclass
 class ShmPeer:
-    cache: torch.Tensor  # the decode worker's whole cache, mapped here
+    # the decode worker's cache, mapped here: one part per rank, with the KV heads it holds
+    parts: list[tuple[torch.Tensor, slice]]
 
     def write_layer(self, job: LayerJob, layer: int, own: torch.Tensor, send: Send) -> None:
-        target = self.cache[layer]
+        """`own` holds every KV head; each rank's file takes its heads."""
         if job.runs is not None:  # long stretches: copy them in place
-            for s0, d0, n in job.runs:
-                target[:, d0 : d0 + n].copy_(own[:, s0 : s0 + n])
+            for cache, heads in self.parts:
+                target = cache[layer]
+                for s0, d0, n in job.runs:
+                    target[:, d0 : d0 + n].copy_(own[:, s0 : s0 + n, heads])
         else:  # scattered slots: gather here, scatter there
-            target.index_copy_(1, job.dst, own.index_select(1, job.src))
+            rows = own.index_select(1, job.src)
+            for cache, heads in self.parts:
+                cache[layer].index_copy_(1, job.dst, rows[:, :, heads])
 
 
 class ShmTransport:
@@ -67,6 +75,15 @@ class ShmTransport:
         return shm_cache_factory(paths)
 
     def open_peer(self, endpoint: PeerEndpoint, own: list[torch.Tensor]) -> ShmPeer:
-        if not endpoint.shm_path:
-            raise ValueError(f"decode worker {endpoint.worker_id} offers no shared-memory cache")
-        return ShmPeer(map_shm_cache(endpoint.shm_path, endpoint.layout, own[0].dtype))
+        paths, heads = endpoint.shm_paths, endpoint.layout.num_kv_heads
+        if not paths or heads % len(paths):
+            raise ValueError(
+                f"decode worker {endpoint.worker_id} offers {len(paths)} shared-memory cache "
+                f"files for {heads} KV heads (one per rank, each an equal share)"
+            )
+        share = heads // len(paths)
+        return ShmPeer([
+            (map_shm_cache(p, endpoint.layout, own[0].dtype, share),
+             slice(r * share, (r + 1) * share))
+            for r, p in enumerate(paths)
+        ])  # fmt: skip
