@@ -261,7 +261,7 @@ class EngineArgs:
         per_pool=True,
         help="split the model's heads and MLP over N ranks of this engine (this process and "
         "N-1 it starts; CPU, gloo), in any role; pools may differ (KV crosses with every head); "
-        "no --draft-layers; see docs/ARCHITECTURE.md",
+        "see docs/ARCHITECTURE.md",
         checks=(at_least(1),),
     )
     num_threads: int | None = setting(

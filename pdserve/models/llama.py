@@ -132,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], final-normed
         if self.tp_leader is not None:
-            self.tp_leader(input_ids, positions, meta)
+            self.tp_leader(input_ids, positions, meta, len(kv_caches))  # fewer: a draft
         x = self.embed_tokens(input_ids)
         if self.fused_decode is not None and not meta.prefills:
             return self.norm(self.fused_decode(x, positions, kv_caches, meta))

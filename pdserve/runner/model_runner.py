@@ -105,8 +105,7 @@ class ModelRunner:
         if tensor_parallel_size > 1:
             self.shard_config = self._start_tensor_parallel(
                 tensor_parallel_size, model_config, dtype, linear_backend, attention_backend,
-                seed, quantization, group_size, draft_model, draft_layers,
-                tensor_parallel_threads)  # fmt: skip
+                seed, quantization, group_size, tensor_parallel_threads)  # fmt: skip
         torch.manual_seed(seed)
         self.model = load_model(
             model_config,
@@ -195,8 +194,7 @@ class ModelRunner:
         return Drafter(self.draft_model, list(caches), self.layout, shared=False)
 
     def _start_tensor_parallel(self, size, cfg, dtype, linear_backend, attention_backend, seed,
-                               quantization, group_size, draft_model, draft_layers,
-                               threads) -> ModelConfig:  # fmt: skip
+                               quantization, group_size, threads) -> ModelConfig:  # fmt: skip
         """Start the follower ranks; returns this rank's shape. What the ranks cannot share
         yet is refused here, before anything starts."""
         from pdserve.models.tp_shard import shard_config
@@ -205,11 +203,6 @@ class ModelRunner:
         why = None
         if self.device.type != "cpu":
             why = "it runs on the CPU (gloo); NCCL on CUDA is not built"
-        elif draft_layers is not None:
-            why = (
-                "a draft of the model's own first layers would need the followers (a separate "
-                "--draft-model runs whole on rank 0; prompt lookup works too)"
-            )
         if why:
             raise ValueError(f"invalid tensor_parallel_size={size}: {why}")
         shard = shard_config(cfg, size)

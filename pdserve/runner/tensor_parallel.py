@@ -105,14 +105,15 @@ class Step(msgspec.Struct, tag=True):
     decode_mask: Array | None
     decode_lens: Array | None
     prefills: list[Chunk]
+    num_layers: int  # the first layers to run: all, or a self-speculation draft's
 
     @classmethod
-    def of(cls, input_ids, positions, meta: AttentionMetadata) -> Step:
+    def of(cls, input_ids, positions, meta: AttentionMetadata, num_layers: int) -> Step:
         chunks = [Chunk(c.q_start, c.q_end, Array.of(c.ctx_slots), Array.of(c.mask))
                   for c in meta.prefills]  # fmt: skip
         return cls(Array.of(input_ids), Array.of(positions), Array.of(meta.slot_mapping),
                    meta.num_decodes, Array.of(meta.decode_slots), Array.of(meta.decode_mask),
-                   Array.of(meta.decode_lens), chunks)  # fmt: skip
+                   Array.of(meta.decode_lens), chunks, num_layers)  # fmt: skip
 
     def inputs(self, device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         def t(a: Array | None):
@@ -208,7 +209,7 @@ def shard_model(model: torch.nn.Module, group: Group) -> None:
     for layer in model.layers:
         layer.self_attn.reduce = layer.mlp.reduce = group.all_reduce
     if group.rank == 0:
-        model.tp_leader = lambda ids, pos, meta: group.send(Step.of(ids, pos, meta))
+        model.tp_leader = lambda ids, pos, meta, n: group.send(Step.of(ids, pos, meta, n))
 
 
 # ---- rank 0's side ---------------------------------------------------------------------------
@@ -419,7 +420,7 @@ def follow(rank: int, size: int, store: str, shard_args: ShardArgs) -> None:
                     at += n
                 continue
             input_ids, positions, meta = msg.inputs(device)
-            model(input_ids, positions, caches, meta)
+            model(input_ids, positions, caches[: msg.num_layers], meta)
     finally:
         group.close()
 

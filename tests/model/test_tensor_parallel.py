@@ -1,6 +1,7 @@
 """Tensor parallelism (`tensor_parallel_size=2`): the same greedy tokens and logprobs as one rank
 (which tests/model/test_vs_transformers.py holds to transformers), with chunked prefill and
-prefix caching; quantized weights, each rank quantizing its shard; a draft model on rank 0;
+prefix caching; quantized weights, each rank quantizing its shard; a draft model on rank 0, a
+draft of the first layers on every rank;
 KV offload tiers holding every rank's rows; what the split cannot take yet is refused before
 anything starts; a follower that dies fails the next step at once with
 the reason."""
@@ -87,10 +88,6 @@ def test_two_ranks_decode_as_one_for_every_architecture(tiny_models, arch):
     ("kw", "match"),
     [
         ({"tensor_parallel_size": 3}, "num_heads=8 does not divide by it"),
-        (
-            {"tensor_parallel_size": 2, "speculative_method": "draft", "draft_layers": 2},
-            "first layers would need the followers",
-        ),
     ],
 )
 def test_what_the_split_cannot_take_is_refused(stories_path, kw, match):
@@ -175,6 +172,29 @@ def test_a_draft_model_runs_whole_on_rank_0(stories_path, tmp_path):
         assert out.outputs[0].token_ids == want
         assert out.metrics.num_spec_accepted > 0
         assert llm.engine.core.runner.draft_config.num_kv_heads == 4  # whole: not a shard
+        llm.engine.core.kv.pool.check_whole()
+    finally:
+        llm.close()
+
+
+@pytest.mark.slow
+def test_a_draft_of_the_first_layers_runs_on_every_rank(stories_path):
+    """Self-speculation with split layers: each draft forward runs the first layers on every
+    rank (the step broadcast says how many) and writes their split caches, so the split engine
+    proposes what one rank proposes, and decodes plain decoding's tokens."""
+    from test_speculative import DRAFT
+
+    prompt = "Once upon a time, there was a little girl named Lily."
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = LLM(stories_path).generate([prompt], params)[0].outputs[0].token_ids
+    one = LLM(stories_path, draft_layers=3, num_threads=1, **DRAFT)
+    ref = one.generate([prompt], params)[0].metrics
+    llm = LLM(stories_path, tensor_parallel_size=2, draft_layers=3, **DRAFT)
+    try:
+        out = llm.generate([prompt], params)[0]
+        assert out.outputs[0].token_ids == want
+        assert out.metrics.num_spec_accepted == ref.num_spec_accepted > 0
+        assert out.metrics.num_spec_proposed == ref.num_spec_proposed
         llm.engine.core.kv.pool.check_whole()
     finally:
         llm.close()
