@@ -169,6 +169,14 @@ class KVTransportKind(enum.StrEnum):
 
     SHM = "shm"  # one host: the decode worker's cache in a shared-memory file
     TCP = "tcp"  # across hosts: layer rows on plain TCP streams
+    # both: signals on TCP streams, rows written into the shared-memory cache by prefill
+    # workers on the decode worker's host and sent on the stream by the others
+    AUTO = "auto"
+
+    @property
+    def streams(self) -> bool:
+        """Whether the KV channel is plain TCP streams (else a ZMQ socket on this host)."""
+        return self != KVTransportKind.SHM
 
 
 class RoleControl(enum.StrEnum):

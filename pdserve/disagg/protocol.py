@@ -66,6 +66,7 @@ class PeerEndpoint(msgspec.Struct, frozen=True):
     # order, each with an equal share of the KV heads (one file: every head)
     shm_paths: list[str]
     layout: KVLayout
+    host: str = ""  # the decode worker's host (`host_identity`): shm files map only there
 
 
 class KVLayerHeader(msgspec.Struct, tag=True):

@@ -152,7 +152,9 @@ class ServerMetrics:
             ("reason",),
             registry=r,
         )
-        self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes sent", LABELS, registry=r)
+        self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes sent, by what the rows "
+                                "went through (shm: written in place; tcp)", (*LABELS, "path"),
+                                registry=r)  # fmt: skip
         self.kv_seconds = hist(
             "kv_transfer_seconds", "time spent moving one request's KV rows (busy, not waiting)"
         )
@@ -279,7 +281,7 @@ class ServerMetrics:
             if s.mbu is not None:
                 self.mbu.labels(*lab, s.phase).set(s.mbu)
         for t in msg.transfers:
-            self.kv_bytes.labels(*lab).inc(t.num_bytes)
+            self.kv_bytes.labels(*lab, t.path).inc(t.num_bytes)
             self.kv_seconds.labels(*lab).observe(t.seconds)
             self.kv_span.labels(*lab).observe(t.span_s)
             if t.seconds > 0:

@@ -123,16 +123,30 @@ def ipc_address(name: str, directory: str) -> str:
     return f"ipc://{os.path.join(directory, f'{name}-{uuid.uuid4().hex[:12]}')}"
 
 
-def private_file(directory: str | None, prefix: str, size: int) -> str:
-    """Create a file of `size` bytes readable and writable by this user only (0600)."""
+def private_file(directory: str | None, prefix: str, size: int, reserve: bool = False) -> str:
+    """Create a file of `size` bytes readable and writable by this user only (0600); with
+    `reserve`, its space is allocated now (for a file that is filled at once, such as a KV
+    cache), else as it is written."""
     directory = directory or os.environ.get(SHM_DIR_ENV) or _shm_base() or tempfile.gettempdir()
     path = os.path.join(directory, f"{prefix}-{uuid.uuid4().hex[:16]}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.fchmod(fd, 0o600)  # whatever the umask
         os.ftruncate(fd, size)
-    finally:
+        if reserve and size:
+            # a sparse file on a full tmpfs would kill the process with SIGBUS at its first
+            # write to a page the file system cannot give, instead of failing here with the reason
+            os.posix_fallocate(fd, 0, size)
+    except OSError as e:
         os.close(fd)
+        os.unlink(path)
+        free = shutil.disk_usage(directory).free
+        raise OSError(
+            e.errno,
+            f"cannot reserve {size} bytes in {directory} ({free} free): {e.strerror}; make "
+            "the KV cache smaller (--kv-cache-memory) or the file system larger",
+        ) from None
+    os.close(fd)
     return path
 
 

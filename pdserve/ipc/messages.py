@@ -146,6 +146,7 @@ class TransferStat(msgspec.Struct, array_like=True):
     num_bytes: int
     seconds: float  # time spent moving the rows (the transfer thread's busy time)
     span_s: float  # first layer queued -> KV complete (overlaps the prefill's compute)
+    path: str = "shm"  # what the rows went through: shm (written in place) or tcp
 
 
 class StepOutputs(msgspec.Struct, tag=True):

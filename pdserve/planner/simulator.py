@@ -119,7 +119,9 @@ class Simulation:
         self.profile = profile
         self.disagg = disagg = disagg or DisaggConfig()
         self.now = 0.0
-        self.transport = transport or str(disagg.kv_transport)
+        # auto moves its rows through shared memory between workers of one host (the profile's)
+        kind = str(disagg.kv_transport)
+        self.transport = transport or ("shm" if kind == "auto" else kind)
         self.events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self.workers: list[SimWorker] = []

@@ -521,3 +521,19 @@ def test_tensor_parallel_workers_hand_over_every_kv_head(
         s.wait_idle()
     finally:
         s.stop()
+
+
+@SLOW
+def test_auto_transport_writes_rows_in_place_and_signals_on_tcp(stories_path, offline):
+    """auto on one host: the decode worker's cache in shared memory, its channel a TCP stream;
+    the prefill worker writes every row in place (the transfer metrics say shm)."""
+    s = start_server(stories_path, "--prefill-workers", "1", "--kv-transport", "auto", *CHUNK)
+    try:
+        for prompt in (STORY, PROMPTS[2] + " The end."):
+            assert completion(s, prompt)["choices"][0]["text"] == expected(offline, prompt)[0]
+        shm_bytes = s.metric("pdserve_kv_transfer_bytes_total", 'path="shm"')
+        assert shm_bytes > 0 and s.metric("pdserve_kv_transfer_bytes_total") == shm_bytes
+        assert s.metric("pdserve_kv_transfer_fallbacks_total") == 0
+        s.wait_idle()
+    finally:
+        s.stop()

@@ -141,10 +141,14 @@ def node_labels() -> dict[str, str]:
     return {n["NodeID"]: n["Labels"].get("pool") for n in ray.nodes() if n["Alive"]}
 
 
-def test_pools_on_their_nodes_give_local_outputs(cluster, stories_path, offline):
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_pools_on_their_nodes_give_local_outputs(cluster, stories_path, offline, transport):
+    """tcp (the cluster's default): rows on the stream. auto: the two nodes share this host, so
+    the prefill worker maps the decode worker's shared-memory cache and writes the rows there,
+    only the signals taking the stream."""
     s = start_server(
         stories_path, "--prefill-workers", "1", "--decode-workers", "1", "--ray-address", cluster,
-        *LABELS,
+        "--kv-transport", transport, *LABELS,
     )  # fmt: skip
     try:
         workers = deployment(s)
@@ -158,9 +162,13 @@ def test_pools_on_their_nodes_give_local_outputs(cluster, stories_path, offline)
             r = completion(s, prompt)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == greedy(offline, prompt)
-        # The prompts were prefilled on the prefill node and their KV crossed over TCP.
+        # The prompts were prefilled on the prefill node and their KV crossed to the other.
         assert s.metric("pdserve_router_decisions_total", 'decision="remote"') == len(PROMPTS)
-        assert s.metric("pdserve_kv_transfer_bytes_total") > 0
+        path = {"tcp": 'path="tcp"', "auto": 'path="shm"'}[transport]
+        assert s.metric("pdserve_kv_transfer_bytes_total", path) > 0
+        assert s.metric("pdserve_kv_transfer_bytes_total") == s.metric(
+            "pdserve_kv_transfer_bytes_total", path
+        )
         s.wait_idle()
     finally:
         assert s.stop() in (0, -signal.SIGTERM)  # uvicorn re-raises it once shut down

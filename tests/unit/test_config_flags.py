@@ -191,7 +191,7 @@ def test_help_shows_each_default_from_its_field(capsys):
         parse_serve("--help")
     text = " ".join(capsys.readouterr().out.split())
     assert "token budget of one step (default: 2048)" in text
-    assert "(default: 16MiB)" in text and "{shm,tcp}" in text
+    assert "(default: 16MiB)" in text and "{shm,tcp,auto}" in text
 
 
 @pytest.mark.parametrize("name", sorted(INVALID))

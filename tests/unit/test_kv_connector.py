@@ -18,6 +18,7 @@ from pdserve.disagg.connector import (
     KVSender,
     contiguous_runs,
     seal,
+    shm,
     shm_cache_factory,
 )
 from pdserve.disagg.connector.stream import PREFIX, StreamChannel, parse_address
@@ -53,7 +54,7 @@ def wait_for(cond, timeout=10.0):
         time.sleep(0.005)
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "auto", "auto-elsewhere"])
 @pytest.mark.parametrize(
     "tables",
     [
@@ -62,13 +63,17 @@ def wait_for(cond, timeout=10.0):
         "mixed",  # long stretches with breaks, and a decode side that holds leading blocks
     ],
 )
-def test_sender_writes_exactly_the_new_rows(tmp_path, transport, tables):
+def test_sender_writes_exactly_the_new_rows(tmp_path, transport, tables, monkeypatch):
+    """auto: the cache in shared memory and the channel on TCP; the rows are written in place
+    from this host, and sent on the stream from elsewhere (another host id)."""
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     slots_total = NUM_BLOCKS * BLOCK
     own = list(torch.randn(LAYERS, 2, slots_total, HEADS, HEAD_DIM).unbind(0))
     paths: list[str] = []
-    factory = shm_cache_factory(paths, str(tmp_path)) if transport == "shm" else None
+    elsewhere = transport == "auto-elsewhere"
+    transport = transport.removesuffix("-elsewhere")
+    factory = shm_cache_factory(paths, str(tmp_path)) if transport != "tcp" else None
     shape = (LAYERS, 2, slots_total, HEADS, HEAD_DIM)
     peer_cache = factory(shape, torch.float32) if factory else torch.zeros(shape)
     peer = list(peer_cache.unbind(0))
@@ -88,8 +93,13 @@ def test_sender_writes_exactly_the_new_rows(tmp_path, transport, tables):
         max_tokens=num_tokens,
     )
     sender = KVSender(0, own, BLOCK, LAYOUT, KEY)
+    if elsewhere:  # the decode worker's files are on another host: not to be mapped
+        monkeypatch.setattr(shm, "host_identity", lambda: "another-host/boot")
     try:
         sender.add_peer(recv.endpoint())
+        path = sender.peers[1].writer.path
+        assert path == ("shm" if transport == "shm" or (transport == "auto" and not elsewhere)
+                        else "tcp")  # fmt: skip
         if tables == "contiguous":
             src_table, dst_table = list(range(3, 3 + nb)), list(range(20, 20 + nb))
         elif tables == "shuffled":
@@ -117,7 +127,7 @@ def test_sender_writes_exactly_the_new_rows(tmp_path, transport, tables):
                 "mixed": [True, False],  # one 50-token stretch; then stretches of 10 and 70
             }[tables]
         )
-        sender.finish("r", first_token=7)
+        assert sender.finish("r", first_token=7)[3] == path
         sender.flush()
         done = []
         wait_for(lambda: done.extend(recv.poll()[0]) or done)
@@ -132,7 +142,7 @@ def test_sender_writes_exactly_the_new_rows(tmp_path, transport, tables):
             assert not peer[layer][:, untouched].any()  # nothing else was written
         assert done[0].num_bytes == (num_tokens - cached) * LAYERS * 2 * HEADS * HEAD_DIM * 4
         assert not recv.dropped
-        if transport == "shm":
+        if transport != "tcp":
             assert os.stat(paths[0]).st_mode & 0o777 == 0o600
     finally:
         recv.close()

@@ -22,6 +22,7 @@ import torch
 import zmq
 
 from pdserve.disagg.connector.base import CacheFactory, ConnectorReport, KVConnector, layout_of
+from pdserve.disagg.connector.shm import host_identity
 from pdserve.disagg.connector.stream import StreamReceiver, stretch_start
 from pdserve.disagg.connector.transports import transport_for
 from pdserve.disagg.protocol import (
@@ -86,7 +87,7 @@ class KVReceiver:
         max_rows = max_tokens * self.row_bytes
         self.sock: zmq.Socket | None = None
         self.stream: StreamReceiver | None = None
-        if transport == KVTransportKind.TCP:
+        if KVTransportKind(transport).streams:
             self.stream = StreamReceiver(address, 8 * max_tokens, max_rows, dropped=self.dropped)
             self.address = self.stream.address
         else:
@@ -101,8 +102,9 @@ class KVReceiver:
 
     def endpoint(self) -> PeerEndpoint:
         return PeerEndpoint(
-            self.worker_id, self.address, self.transport, self.shm_paths, self.layout
-        )
+            self.worker_id, self.address, self.transport, self.shm_paths, self.layout,
+            host_identity(),
+        )  # fmt: skip
 
     @property
     def waker(self):

@@ -136,7 +136,7 @@ class KVSender:
         old = self.peers.pop(endpoint.worker_id, None)
         if old is not None:
             old.sock.close(linger=0)
-        if endpoint.transport == KVTransportKind.TCP:
+        if KVTransportKind(endpoint.transport).streams:
             sock = StreamChannel(endpoint.kv_address)
         else:
             sock = self.ctx.socket(zmq.PUSH)
@@ -145,6 +145,8 @@ class KVSender:
             sock.connect(endpoint.kv_address)
         writer = transport_for(endpoint.transport).open_peer(endpoint, self.own)
         self.peers[endpoint.worker_id] = _Peer(endpoint, sock, writer, self._seal)
+        logger.info("KV for decode worker %d: %s, rows through %s", endpoint.worker_id,
+                    endpoint.transport, writer.path)  # fmt: skip
 
     # -- requests --
     def add_request(self, request_id: str, dest: KVDest) -> None:
@@ -204,11 +206,11 @@ class KVSender:
             at += n
         self.step_jobs = []
 
-    def finish(self, request_id: str, first_token: int) -> tuple[int, float, float] | None:
+    def finish(self, request_id: str, first_token: int) -> tuple[int, float, float, str] | None:
         """The prefill of a request is complete: flush its KV, then signal the decode worker.
-        Returns (bytes, busy seconds, span seconds) of the transfer: the time spent moving its
-        rows, and the time from its first layer queued to now (which holds the prefill's compute
-        as well, the transfer running behind it)."""
+        Returns (bytes, busy seconds, span seconds, path) of the transfer: the time spent moving
+        its rows, the time from its first layer queued to now (which holds the prefill's compute
+        as well, the transfer running behind it), and what the rows went through (shm, tcp)."""
         t = self.transfers.pop(request_id, None)
         if t is None:
             return None
@@ -216,7 +218,8 @@ class KVSender:
         span_s = time.perf_counter() - (t.started or time.perf_counter())
         done = KVDone(request_id, first_token, self.worker_id, t.num_bytes, t.busy_s)
         self.jobs.put(("ctl", t.dest.worker_id, done))
-        return t.num_bytes, t.busy_s, span_s
+        peer = self.peers.get(t.dest.worker_id)
+        return t.num_bytes, t.busy_s, span_s, peer.writer.path if peer is not None else "none"
 
     def abort(self, request_id: str) -> None:
         t = self.transfers.pop(request_id, None)

@@ -11,6 +11,7 @@ and the prefill worker writes each rank's heads into its file.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +23,26 @@ from pdserve.ipc.channel import private_file
 from pdserve.types import KVTransportKind
 
 
+def host_identity() -> str:
+    """This host, as workers compare it before mapping each other's files: its name and the
+    kernel's boot id (two containers of one name on different machines differ in the latter)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def reachable(endpoint: PeerEndpoint) -> bool:
+    """Whether this process can map the decode worker's cache files: same host, files there."""
+    return (
+        bool(endpoint.shm_paths)
+        and endpoint.host == host_identity()
+        and all(os.path.exists(p) for p in endpoint.shm_paths)
+    )
+
+
 def shm_cache_factory(path_holder: list[str], directory: str | None = None) -> CacheFactory:
     """A KV cache allocator backed by a file private to this user, in `directory` or the
     deployment's shared-memory directory."""
@@ -29,7 +50,7 @@ def shm_cache_factory(path_holder: list[str], directory: str | None = None) -> C
     def make(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = int(np.prod(shape))
         size = numel * torch.empty((), dtype=dtype).element_size()
-        path = private_file(directory, "kv", size)
+        path = private_file(directory, "kv", size, reserve=True)
         path_holder.append(path)
         return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
 
@@ -52,6 +73,7 @@ def map_shm_cache(path: str, layout: KVLayout, dtype: torch.dtype, num_heads: in
 
 @dataclass
 class ShmPeer:
+    path = "shm"  # what the rows travel through (the transfer metrics' label)
     # the decode worker's cache, mapped here: one part per rank, with the KV heads it holds
     parts: list[tuple[torch.Tensor, slice]]
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from pdserve.disagg.connector.base import KVTransport
 from pdserve.disagg.connector.shm import ShmTransport
-from pdserve.disagg.connector.tcp import TcpTransport
+from pdserve.disagg.connector.tcp import AutoTransport, TcpTransport
 from pdserve.types import KVTransportKind
 
 TRANSPORTS: dict[KVTransportKind, type] = {
     KVTransportKind.SHM: ShmTransport,
     KVTransportKind.TCP: TcpTransport,
+    KVTransportKind.AUTO: AutoTransport,
 }
 
 
