@@ -62,13 +62,13 @@ class Deployment:
     def on_output(self, out: RequestOutput) -> None:
         self.load.on_first_output(out.request_id)
         if out.finished and out.metrics is not None:
-            self.load.on_finish(out.metrics.ttft, out.metrics.tpot)
+            self.load.on_finish(out.metrics.ttft, out.metrics.tpot, out.request_id)
             if self.metrics is not None:
                 ttft, tpot = self.load.attainment()
                 self.metrics.set_slo_attainment(ttft, tpot)
 
     def on_gone(self, request_id: str) -> None:
-        self.load.on_first_output(request_id)
+        self.load.on_gone(request_id)
 
     def current_prefill_rate(self) -> float | None:
         """Prompt tokens per second the deployment computes now: the measured rates of the

@@ -319,7 +319,7 @@ class Simulation:
         record.cached_tokens = max(max(r.num_cached_tokens, 0) for r in live.requests)
         del self.live[f"r{record.index}"]
         self.finished.append(live)
-        self.load.on_finish(record.ttft, record.tpot)
+        self.load.on_finish(record.ttft, record.tpot, f"r{record.index}")
 
     # ---- the P:D controller ------------------------------------------------------------------
     def _control(self) -> None:

@@ -36,6 +36,8 @@ class LoadObserver:
         self.prefill_on_decoders: deque[tuple[float, int]] = deque()  # (time, prompt tokens)
         self.finished: deque[tuple[float, float | None, float | None]] = deque()
         self.unstarted: dict[str, float] = {}  # request id -> arrival (no first token yet)
+        self.arrived: dict[str, float] = {}  # request id -> arrival (not finished yet)
+        self.switched_at: float | None = None  # the last switch of the split
 
     def on_decode_step(self, worker_id: int, step_s: float) -> None:
         old = self.decode_steps.get(worker_id)
@@ -46,21 +48,33 @@ class LoadObserver:
         self.prefill_on_decoders.append((self.clock(), num_tokens))
 
     def on_arrival(self, request_id: str) -> None:
-        self.unstarted[request_id] = self.clock()
+        self.unstarted[request_id] = self.arrived[request_id] = self.clock()
 
     def on_first_output(self, request_id: str) -> None:
         self.unstarted.pop(request_id, None)
 
-    def on_finish(self, ttft_s: float | None, tpot_s: float | None) -> None:
+    def on_gone(self, request_id: str) -> None:
+        """The request ended without finishing (aborted, failed)."""
+        self.unstarted.pop(request_id, None)
+        self.arrived.pop(request_id, None)
+
+    def on_finish(self, ttft_s: float | None, tpot_s: float | None, request_id: str = "") -> None:
+        """A request finished. One that arrived before the last switch is not counted: part of
+        its life ran under the old split, whose queue and batch the new one inherited."""
+        arrival = self.arrived.pop(request_id, None)
+        if self.switched_at is not None and arrival is not None and arrival < self.switched_at:
+            return
         self.finished.append((self.clock(), ttft_s, tpot_s))
 
     def on_switch(self) -> None:
         """The split changed: what was measured under the old one no longer describes the
         deployment (without this, the controller would judge a new split by requests that ran
-        under the old one, and switch back one dwell time later)."""
+        under the old one, and switch back one dwell time later). From now on only requests that
+        arrive after the switch count towards attainment (`on_finish`)."""
         self.finished.clear()
         self.prefill_on_decoders.clear()
         self.decode_steps.clear()
+        self.switched_at = self.clock()
 
     def _prune(self, now: float) -> None:
         for window in (self.finished, self.prefill_on_decoders):

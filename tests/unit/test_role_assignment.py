@@ -97,3 +97,22 @@ def test_a_switch_starts_the_load_window_afresh():
     assert load.sample(0, 0.0).decode_step_s is None
     load.on_finish(0.5, 0.05)
     assert load.attainment() == (1.0, 1.0)
+
+
+def test_after_a_switch_only_requests_that_arrived_under_the_new_split_count():
+    """A request that arrived before the switch inherited the old split's queue and batch: it
+    does not judge the new split, however late it finishes."""
+    now = [0.0]
+    load = LoadObserver(PhaseSLO(1.0, 0.1), clock=lambda: now[0])
+    load.on_arrival("old")
+    now[0] = 5.0
+    load.on_switch()
+    load.on_arrival("new")
+    load.on_arrival("dropped")
+    now[0] = 8.0
+    load.on_finish(6.0, 0.5, "old")  # late, but mostly the old split's doing
+    assert load.attainment() == (None, None)
+    load.on_finish(0.5, 0.05, "new")
+    assert load.attainment() == (1.0, 1.0)
+    load.on_gone("dropped")
+    assert load.arrived == {}  # nothing left behind once each ended
