@@ -1,10 +1,10 @@
 """Tensor parallelism (`tensor_parallel_size=2`): the same greedy tokens and logprobs as one rank
 (which tests/model/test_vs_transformers.py holds to transformers), with chunked prefill and
 prefix caching; quantized weights, each rank quantizing its shard; a draft model on rank 0, a
-draft of the first layers on every rank;
-KV offload tiers holding every rank's rows; what the split cannot take yet is refused before
-anything starts; a follower that dies fails the next step at once with
-the reason."""
+draft of the first layers on every rank; KV offload tiers holding every rank's rows; what the
+split cannot take yet is refused before anything starts; a follower that dies fails the next
+step at once with the reason. Tensor-parallel prefill and decode workers are in
+tests/e2e/test_disagg.py."""
 
 from __future__ import annotations
 
