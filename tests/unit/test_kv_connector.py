@@ -428,3 +428,23 @@ def test_strangers_cannot_keep_the_deployment_out(tcp_receiver, monkeypatch):
     finally:
         for c in idle:
             c.close()
+
+
+def test_a_decode_worker_whose_cache_is_gone_is_skipped_not_fatal(tmp_path, caplog):
+    """A decode worker that died between its announcement and the connect (its shared-memory
+    file already removed): the prefill worker skips it and keeps serving the others."""
+    from pdserve.disagg.protocol import PeerEndpoint
+
+    own = list(torch.zeros(LAYERS, 2, NUM_BLOCKS * BLOCK, HEADS, HEAD_DIM).unbind(0))
+    sender = KVSender(0, own, BLOCK, LAYOUT, KEY)
+    gone = PeerEndpoint(2, f"ipc://{tmp_path}/kv-gone", "shm", [str(tmp_path / "missing")], LAYOUT)
+    sender.add_peer(gone)  # no error: the step loop goes on
+    assert 2 not in sender.peers and sender.error is None
+    assert "decode worker 2 cannot be reached" in caplog.text
+    sender.add_request("r", KVDest(2, [0], 0))  # its transfer is skipped, not an error
+    sender.begin_step(plan("r", 0, 4), {"r": [1]})
+    for layer in range(LAYERS):
+        sender.on_layer(layer)
+    assert sender.finish("r", first_token=1)[3] == "none"
+    sender.flush()
+    assert sender.error is None

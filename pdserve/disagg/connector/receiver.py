@@ -231,6 +231,7 @@ class ReceivingConnector(KVConnector):
         self.worker_id, self.kind, self.address, self.key = worker_id, kind, address, key
         self.shm_paths: list[str] = []
         self.receiver: KVReceiver | None = None
+        self.num_dropped_seen = 0  # the drops the worker has reported
         self.vocab_size = 0
         self.kv_received: list[KVReceived] = []
 
@@ -260,7 +261,6 @@ class ReceivingConnector(KVConnector):
         return (self.receiver.waker,)
 
     def poll(self, remote) -> tuple[list[EngineCoreOutput], bool]:
-        num_dropped = self.receiver.dropped.total()
         done, aborted = self.receiver.poll()
         outputs, received = remote.on_sender_done(
             [(m.request_id, m.first_token) for m in done],
@@ -268,7 +268,10 @@ class ReceivingConnector(KVConnector):
             valid_token=lambda t: 0 <= t < self.vocab_size,
         )
         self.kv_received += [KVReceived(rid, tok) for rid, tok in received]
-        changed = bool(done or aborted) or self.receiver.dropped.total() != num_dropped
+        # drops counted by the receive threads between polls count as a change too
+        num_dropped = self.receiver.dropped.total()
+        changed = bool(done or aborted) or num_dropped != self.num_dropped_seen
+        self.num_dropped_seen = num_dropped
         return outputs, changed
 
     def report(self, remote) -> ConnectorReport:

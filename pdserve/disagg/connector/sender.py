@@ -257,7 +257,12 @@ class KVSender:
                     if peer is not None:
                         peer.send(msg)
                 elif kind == "peer":
-                    self._connect(item[1])
+                    try:
+                        self._connect(item[1])
+                    except (OSError, ValueError) as e:  # gone, or not reachable from here
+                        self.peers.pop(item[1].worker_id, None)
+                        logger.warning("decode worker %d cannot be reached: %s (its "
+                                       "requests recompute there)", item[1].worker_id, e)  # fmt: skip
             except Exception as e:  # reported to the step loop at its next flush
                 logger.exception("KV transfer failed")
                 self.error = f"KV transfer failed: {type(e).__name__}: {e}"

@@ -212,6 +212,8 @@ class StreamReceiver:
     def _end(self, reason: str, detail: str) -> None:
         self.dropped[reason] += 1
         logger.warning("KV channel: closed a connection (%s: %s)", reason, detail)
+        with contextlib.suppress(OSError):  # the step loop reports the count (else pending)
+            self._wake_w.send(b"\0")
 
     def close(self) -> None:
         self.closed = True
