@@ -153,7 +153,8 @@ class ServerMetrics:
             registry=r,
         )
         self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes sent, by what the rows "
-                                "went through (shm: written in place; tcp)", (*LABELS, "path"),
+                                "went through (shm: written in place; tcp; none: the decode worker "
+                                "could not be reached)", (*LABELS, "path"),
                                 registry=r)  # fmt: skip
         self.kv_seconds = hist(
             "kv_transfer_seconds", "time spent moving one request's KV rows (busy, not waiting)"

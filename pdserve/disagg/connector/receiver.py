@@ -4,7 +4,7 @@ The receiver owns the decode worker's KV channel: it applies `tcp` layer frames 
 collects the `KVDone` / `KVAborted` signals for the step loop, which the connector turns into the
 scheduler's `RemoteKV` transitions. The channel is a ZMQ PULL socket for `shm` (control messages
 only: the rows are in shared memory already) and plain TCP streams read by receive threads for
-`tcp` (`stream.py`). Rows travel with every KV head; a tensor-parallel receiver writes its own
+`tcp` and `auto` (`stream.py`; with `auto` only peers on other hosts send rows on it). Rows travel with every KV head; a tensor-parallel receiver writes its own
 heads and hands the followers theirs before the step loop goes on (`TensorParallel.write_rows`).
 """
 
