@@ -152,16 +152,20 @@ def _check(ok: bool, name: str, value: object, why: str) -> None:
 
 
 class Role(enum.StrEnum):
-    """What an engine worker does: everything (colocated), or one phase of a P/D split."""
+    """What an engine worker does: everything (colocated), or one phase of a P/D split.
+
+    `PARKED` is a run-time role only (`--pd-merge`): the worker takes no new work, finishes
+    what it holds, then lends its CPUs to the one colocated worker left."""
 
     BOTH = "both"
     PREFILL = "prefill"
     DECODE = "decode"
+    PARKED = "parked"
 
     @property
     def decodes(self) -> bool:
         """It generates tokens after the first (and so can take a request end to end)."""
-        return self is not Role.PREFILL
+        return self in (Role.BOTH, Role.DECODE)
 
 
 class KVTransportKind(enum.StrEnum):

@@ -134,6 +134,13 @@ class DisaggConfig:
         help="the P:D controller keeps a split at least this long",
         checks=(POSITIVE,),
     )
+    pd_merge: bool = setting(
+        False,
+        help="with --pd-ratio manual|auto, colocated means one worker on every worker's CPUs: "
+        "the others are parked (no new work; once what they hold is done their CPUs are lent "
+        "to it) until a split needs them. Needs a CPU set per worker (--decode-cpus, "
+        "--prefill-cpus) and workers on this host",
+    )
 
     ray_address: str | None = setting(
         None,
@@ -183,6 +190,26 @@ class DisaggConfig:
             self.pd_ratio,
             "switching roles needs at least two workers",
         )
+        if self.pd_merge:
+            require(
+                self.pd_ratio != RoleControl.STATIC,
+                "pd_merge",
+                True,
+                "merging workers needs switchable roles: --pd-ratio manual or auto",
+            )
+            require(
+                not self.ray_address,
+                "pd_merge",
+                True,
+                "workers on a cluster cannot lend each other CPUs",
+            )
+            require(
+                bool(self.decode_cpus) and (self.num_prefill_workers == 0 or self.prefill_cpus),
+                "pd_merge",
+                True,
+                "a parked worker lends its CPU set: give every worker one (--decode-cpus, "
+                "--prefill-cpus, repeated per worker)",
+            )
         check_overrides(EngineArgs, self.prefill_overrides, "prefill_overrides")
         check_overrides(EngineArgs, self.decode_overrides, "decode_overrides")
 
@@ -215,6 +242,12 @@ def worker_specs(
     if disagg.num_workers == 1:
         cpus = disagg.decode_cpus[0] if disagg.decode_cpus else None
         return [(Role.BOTH, args, cpus)]
+    require(
+        not disagg.pd_merge or args.tensor_parallel_size == 1,
+        "pd_merge",
+        True,
+        "a worker of several tensor-parallel ranks cannot take another worker's CPUs",
+    )
     out = []
     # oneDNN's spinning threads and per-shape kernel builds hurt when several engine processes
     # share cores: disaggregated pools take the native kernel or F.linear unless the user asks

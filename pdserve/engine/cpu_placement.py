@@ -142,6 +142,37 @@ def unpin() -> None:
         os.sched_setaffinity(0, _UNPINNED)
 
 
+def parse_cpu_set(text: str) -> frozenset[int]:
+    """A CPU set as Linux writes it ("0", "0-3", "0,2-3")."""
+    ids: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            lo_i, hi_i = int(lo), int(hi or lo)
+            if lo_i < 0 or hi_i < lo_i:
+                raise ValueError
+            ids.update(range(lo_i, hi_i + 1))
+    except ValueError:
+        raise ValueError(f"invalid CPU set {text!r}: expected e.g. 0, 0-3 or 0,2-3") from None
+    return frozenset(ids)
+
+
+def run_on(cpus: set[int] | frozenset[int]) -> None:
+    """Move every thread of this process onto `cpus` and run one torch (and kernel) thread per
+    CPU from the next parallel region on. Threads made later inherit the set; an idle OpenMP
+    thread beyond the count stays asleep."""
+    import torch
+
+    if not cpus:
+        raise ValueError("an empty CPU set")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+    torch.set_num_threads(len(cpus))
+
+
 def measure(allowed: set[int], ours=("self",), seconds: float = SAMPLE_S) -> Placement:
     sample = LoadSample(tuple(ours))
     time.sleep(seconds)

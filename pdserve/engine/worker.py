@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from pdserve.config import EngineArgs
+from pdserve.engine.cpu_placement import parse_cpu_set, run_on
 from pdserve.ipc.channel import (
     BadFrame,
     Decoder,
@@ -41,6 +42,7 @@ from pdserve.ipc.messages import (
     PeerInfo,
     ReleaseKV,
     ResumeLocally,
+    SetCPUs,
     Shutdown,
     StepOutputs,
     StepStatsMsg,
@@ -160,6 +162,13 @@ class Worker:
             core.scheduler.remote.release_quarantine(msg.request_ids)
         elif isinstance(msg, PeerInfo):
             self.connector.add_peer(msg.endpoint)
+        elif isinstance(msg, SetCPUs):  # between steps: the next one runs on the new set
+            try:
+                run_on(set(msg.cpus))
+            except (ValueError, OSError) as e:  # a CPU this process may not use
+                logger.error("cannot run on CPUs %s: %s", msg.cpus, e)
+            else:
+                logger.info("running on CPUs %s (%d threads)", msg.cpus, len(msg.cpus))
         elif isinstance(msg, Shutdown):
             self.running = False
         return []
@@ -254,6 +263,8 @@ class Worker:
                 )
 
     def _state(self) -> WorkerState:
+        import torch  # loaded by the engine; not before this process is pinned (`main`)
+
         sched = self.core.scheduler
         st = sched.stats()
         queued = sched.queued_prefill_tokens()
@@ -268,6 +279,7 @@ class Worker:
             queued,
             self._dropped_frames(),
             None if self.core.kv.tier is None else self.core.kv.tier.state(),
+            torch.get_num_threads(),
         )
 
     def _dropped_frames(self) -> dict[str, int]:
@@ -290,10 +302,7 @@ class Worker:
 
 def pin_cpus(cpus: str) -> int:
     """Restrict this process to a CPU set ("0", "0-3", "0,2"); returns its size."""
-    ids: set[int] = set()
-    for part in cpus.split(","):
-        lo, _, hi = part.partition("-")
-        ids.update(range(int(lo), int(hi or lo) + 1))
+    ids = parse_cpu_set(cpus)
     os.sched_setaffinity(0, ids)
     return len(ids)
 
@@ -303,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-args", required=True, help="EngineArgs as JSON")
     p.add_argument("--input", required=True, help="where to bind the control channel")
     p.add_argument("--output", required=True)
-    p.add_argument("--role", default=Role.BOTH, type=Role, choices=list(Role))
+    p.add_argument(
+        "--role", default=Role.BOTH, type=Role, choices=[r for r in Role if r != Role.PARKED]
+    )
     p.add_argument("--worker-id", type=int, default=0)
     p.add_argument(
         "--kv-transport",

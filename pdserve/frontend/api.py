@@ -200,7 +200,9 @@ def build_app(
 
     @app.post("/deployment")
     async def set_deployment(request: Request):
-        """`{"prefill_workers": P}`: P live workers prefill, the rest decode (0: colocated)."""
+        """`{"prefill_workers": P}`: P live workers prefill, the rest decode (0: colocated);
+        `{"prefill_workers": 0, "merge": true}` (`--pd-merge`): one worker on every worker's
+        CPUs, the others parked."""
         try:
             body = json.loads(await request.body())
             p = body["prefill_workers"]
@@ -212,10 +214,14 @@ def build_app(
                 "expected a JSON object with an integer prefill_workers",
                 param="prefill_workers",
             ) from None
+        merge = body.get("merge", False)
+        if type(merge) is not bool:
+            raise APIError(400, "merge must be true or false", param="merge")
         try:
-            return state.client.deployment.set_split(p)
+            return state.client.deployment.set_split(p, merge=merge)
         except ValueError as e:
-            raise APIError(400, str(e), param="prefill_workers") from None
+            param = "merge" if merge else "prefill_workers"
+            raise APIError(400, str(e), param=param) from None
 
     add_dashboard_routes(app, state)
 

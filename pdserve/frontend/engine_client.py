@@ -140,6 +140,7 @@ class EngineClient:
             asyncio.create_task(self._watch_loop(), name="pdserve-watch"),
         ]
         self.deployment.router = self.router
+        self.deployment.start()
         if self.deployment.automatic:
             self._tasks.append(asyncio.create_task(self.deployment.control_loop(), name="pd"))
         if self.metrics is not None:
@@ -254,6 +255,7 @@ class EngineClient:
         lost = {c for c, wid in self.placement.items() if wid == w.worker_id}
         self.handoffs.on_decode_death(lost)
         self._fail_where(lambda c: c in lost, reason)
+        self.deployment.on_death(w)
         if self.disagg.restart_workers and not self.pool.closing:
             asyncio.get_running_loop().create_task(self.pool.restart(w))
 
@@ -266,6 +268,7 @@ class EngineClient:
             self.router.report(w.worker_id, info.num_kv_blocks, 0)
         if self.metrics is not None:
             self.metrics.set_worker_up(w, True)
+        self.deployment.on_rejoin(w)
         logger.info("engine worker %d (%s) rejoined", w.worker_id, w.role)
 
     def _fail_where(self, pred, reason: str) -> None:

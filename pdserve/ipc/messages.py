@@ -52,11 +52,18 @@ class PeerInfo(msgspec.Struct, tag=True):
     endpoint: PeerEndpoint
 
 
+class SetCPUs(msgspec.Struct, tag=True):
+    """Run on these CPUs, one thread each, from the next step on (`--pd-merge`: a parked
+    worker's CPUs lent to the colocated one, and given back)."""
+
+    cpus: list[int]
+
+
 class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-ToWorker = AddRequest | FinishRequests | ResumeLocally | ReleaseKV | PeerInfo | Shutdown
+ToWorker = AddRequest | FinishRequests | ResumeLocally | ReleaseKV | PeerInfo | SetCPUs | Shutdown
 
 
 class WorkerInfo(msgspec.Struct, tag=True):
@@ -128,6 +135,7 @@ class WorkerState(msgspec.Struct, array_like=True):
     # from the frontend) and the KV channel's reasons (see `KVReceiver`).
     dropped_frames: dict[str, int] = {}
     kv_offload: KVOffloadState | None = None  # with --kv-offload
+    num_threads: int = 0  # the CPU threads its steps run on now
 
 
 class KVReservation(msgspec.Struct, array_like=True):

@@ -41,8 +41,8 @@ from pdserve.disagg.router import Router
 from pdserve.kv.manager import KVCacheManager
 from pdserve.planner.profile import Profile
 from pdserve.planner.step_model import StepShape
-from pdserve.pools.pd_controller import PDController, PhaseSLO
-from pdserve.pools.roles import LoadObserver, RoleManager
+from pdserve.pools.pd_controller import MERGED, PDController, PhaseSLO
+from pdserve.pools.roles import LoadObserver, RoleManager, cpu_sets
 from pdserve.pools.roles import Worker as RoleView
 from pdserve.request import Request
 from pdserve.sched.scheduler import Scheduler, SchedulerOutput
@@ -125,6 +125,8 @@ class Simulation:
         self.events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self.workers: list[SimWorker] = []
+        self.own_cpus: dict[int, frozenset[int]] = {}  # stand-ins, for lending (--pd-merge)
+        self._step_time = step_time
         kv_bytes_per_block = engine.block_size * profile.kv_bytes_per_token
         for wid, (role, args, cpus) in enumerate(worker_specs(engine, disagg)):
             cache = args.cache_config()
@@ -132,6 +134,8 @@ class Simulation:
             kv = KVCacheManager(num_blocks, args.block_size, cache.enable_prefix_caching)
             sched = Scheduler(args.scheduler_config(max_model_len), kv, clock=self.clock)
             size = _num_cpus(cpus) if cpus else threads_per_worker
+            first = sum(len(c) for c in self.own_cpus.values())
+            self.own_cpus[wid] = frozenset(range(first, first + size))
             model = profile.step_model(size)
             worker = SimWorker(wid, role, sched, size, model.predict)
             if step_time is not None:
@@ -155,10 +159,16 @@ class Simulation:
         if disagg.pd_ratio == RoleControl.AUTO:
             start = (disagg.num_prefill_workers, disagg.num_decode_workers)
             controller = PDController(
-                disagg.num_workers, self.slo, start=start, min_dwell_s=disagg.pd_min_dwell_s
+                disagg.num_workers,
+                self.slo,
+                start=start,
+                min_dwell_s=disagg.pd_min_dwell_s,
+                merge=disagg.pd_merge,
             )
             self.roles = RoleManager(RoleControl.AUTO, controller)
         self.decisions: list[dict] = []
+        if self.roles is not None and disagg.pd_merge and disagg.num_prefill_workers == 0:
+            self._set_roles(self.roles.plan(self._view(), MERGED, "start (--pd-merge)"))
 
     def clock(self) -> float:
         return self.now
@@ -283,6 +293,8 @@ class Simulation:
         self.router.report(
             worker.worker_id, sched.kv.num_free_blocks(), sched.queued_prefill_tokens()
         )
+        if worker.role == Role.PARKED:  # its last request may be done: its CPUs go over
+            self._lend()
         self._wake(worker)
 
     def _ship_kv(self, prefill: SimWorker, rid: str) -> None:
@@ -322,20 +334,28 @@ class Simulation:
         self.load.on_finish(record.ttft, record.tpot, f"r{record.index}")
 
     # ---- the P:D controller ------------------------------------------------------------------
-    def _control(self) -> None:
-        view = [
+    def _view(self) -> list[RoleView]:
+        return [
             RoleView(
                 w.worker_id,
                 w.role,
                 True,
                 len(w.scheduler.running),
                 w.scheduler.queued_prefill_tokens(),
+                len(w.scheduler.waiting) + len(w.scheduler.remote.waiting),
             )
             for w in self.workers
         ]
+
+    def _control(self) -> None:
+        view = self._view()
         queued = sum(v.queued_prefill_tokens for v in view)
         kv = max((w.scheduler.kv.usage for w in self.workers if w.role.decodes), default=0.0)
-        changes = self.roles.tick(view, self.load.sample(queued, kv))
+        self._set_roles(self.roles.tick(view, self.load.sample(queued, kv)))
+        if self.live or any(t > self.now for t, _, _ in self.events):
+            self.at(self.now + CONTROL_INTERVAL_S, self._control)
+
+    def _set_roles(self, changes: dict[int, Role]) -> None:
         for wid, role in changes.items():
             self.workers[wid].role = role
             self.router.set_role(wid, role)
@@ -343,8 +363,19 @@ class Simulation:
             self.load.on_switch()
             d = self.roles.decisions[-1]
             self.decisions.append({"t": self.now, "reason": d.reason, "new": list(d.new)})
-        if self.live or any(t > self.now for t, _, _ in self.events):
-            self.at(self.now + CONTROL_INTERVAL_S, self._control)
+            self._lend()
+
+    def _lend(self) -> None:
+        """`--pd-merge`: a parked worker's CPUs go to the colocated worker once it is idle (as
+        `SetCPUs` does for real); a step already running keeps its duration."""
+        if not self.disagg.pd_merge:
+            return
+        for wid, cpus in cpu_sets(self._view(), self.own_cpus).items():
+            w = self.workers[wid]
+            if len(cpus) != w.size:
+                w.size = len(cpus)
+                if self._step_time is None:
+                    w.predict = self.profile.step_model(w.size).predict
 
 
 def _serving_costs(profile: Profile, num_cpus: int, local_client: bool) -> tuple[float, float]:

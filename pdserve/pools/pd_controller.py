@@ -23,6 +23,11 @@ The policy, for a deployment of `n` workers:
 - split, decode missing its SLO (or its KV cache nearly full) while prefill has headroom: move a
   prefill worker to decode (the last one back to colocated).
 
+With `merge` (`--pd-merge`), the colocated option is one worker on every worker's CPUs, the
+others parked (`MERGED`, the split `(0, 1)`): a prompt then prefills on all the cores, and a
+decode step uses them all. Every "back to colocated" above goes there instead, and `n` spread
+colocated workers (after a restart, or an operator's split) merge.
+
 A wish counts only when it holds for `patience` samples in a row, and no switch follows another
 within `min_dwell_s`: together these keep an oscillating load from flapping the deployment.
 """
@@ -33,6 +38,7 @@ import math
 from dataclasses import dataclass
 
 Split = tuple[int, int]  # (prefill workers, decode workers); (0, n): n colocated workers
+MERGED: Split = (0, 1)  # with --pd-merge: one colocated worker on every worker's CPUs
 
 HIGH = 1.0  # a pressure at or above this misses the SLO
 LOW = 0.6  # a pressure below this leaves headroom
@@ -87,6 +93,10 @@ class Decision:
     old: Split
     new: Split
     reason: str
+    num_workers: int | None = None  # live workers then, parked ones included
+
+    def describe(self) -> tuple[str, str]:
+        return describe(self.old, self.num_workers), describe(self.new, self.num_workers)
 
 
 def pressures(s: LoadSample, slo: PhaseSLO) -> tuple[float, float]:
@@ -100,12 +110,18 @@ def pressures(s: LoadSample, slo: PhaseSLO) -> tuple[float, float]:
     return prefill, decode
 
 
-def wish(split: Split, s: LoadSample, slo: PhaseSLO) -> tuple[Split, str] | None:
-    """The split this one sample asks for, with its reason; None: keep the current one."""
+def wish(
+    split: Split, s: LoadSample, slo: PhaseSLO, num_workers: int | None = None, merge: bool = False
+) -> tuple[Split, str] | None:
+    """The split this one sample asks for, with its reason; None: keep the current one.
+    `num_workers` counts the parked ones too (default: the split's workers)."""
     p, d = split
-    n = p + d
+    n = max(num_workers or 0, p + d)
+    colocated = MERGED if merge else (0, n)
     pre, dec = pressures(s, slo)
     if p == 0:
+        if merge and d > 1:
+            return MERGED, f"{d} colocated workers merge: one worker on all their CPUs"
         if n >= 2 and dec >= HIGH and pre < LOW and s.prefill_work:
             return (1, n - 1), (
                 f"decode pressure {dec:.2f} with prompts to compute ({s.queued_prefill_tokens} "
@@ -114,12 +130,12 @@ def wish(split: Split, s: LoadSample, slo: PhaseSLO) -> tuple[Split, str] | None
             )
         return None
     if pre >= HIGH and (dec >= HIGH or s.kv_usage >= KV_FULL):
-        return (0, n), f"both phases over their SLOs (prefill {pre:.2f}, decode {dec:.2f})"
+        return colocated, f"both phases over their SLOs (prefill {pre:.2f}, decode {dec:.2f})"
     if pre >= HIGH and dec < LOW:
-        new = (p + 1, d - 1) if d > 1 else (0, n)
+        new = (p + 1, d - 1) if d > 1 else colocated
         return new, f"prefill pressure {pre:.2f}, decode headroom ({dec:.2f})"
     if (dec >= HIGH or s.kv_usage >= KV_FULL) and pre < LOW:
-        new = (p - 1, d + 1) if p > 1 else (0, n)
+        new = (p - 1, d + 1) if p > 1 else colocated
         why = f"decode pressure {dec:.2f}" if dec >= HIGH else f"KV usage {s.kv_usage:.0%}"
         return new, f"{why}, prefill headroom ({pre:.2f})"
     return None
@@ -136,12 +152,19 @@ class PDController:
         start: Split | None = None,
         patience: int = 3,
         min_dwell_s: float = 30.0,
+        merge: bool = False,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"invalid num_workers={num_workers}: must be >= 1")
-        self.split: Split = start or (0, num_workers)
-        if sum(self.split) != num_workers or min(self.split) < 0 or self.split[1] < 1:
-            raise ValueError(f"invalid start split {self.split} for {num_workers} workers")
+        self.num_workers = num_workers  # live ones, parked included (the role manager updates it)
+        self.merge = merge
+        start = start or (0, num_workers)
+        if merge and start[0] == 0:
+            start = MERGED  # colocated means merged
+        fits = sum(start) == num_workers or (merge and start == MERGED)
+        if not fits or min(start) < 0 or start[1] < 1:
+            raise ValueError(f"invalid start split {start} for {num_workers} workers")
+        self.split: Split = start
         self.slo = slo
         self.patience = patience
         self.min_dwell_s = min_dwell_s
@@ -152,7 +175,7 @@ class PDController:
 
     def observe(self, s: LoadSample) -> Decision | None:
         """Feed one sample; returns a decision when the controller switches the split."""
-        w = wish(self.split, s, self.slo)
+        w = wish(self.split, s, self.slo, self.num_workers, self.merge)
         if w is None:
             self._wanted, self._streak = None, 0
             return None
@@ -163,13 +186,18 @@ class PDController:
             return None
         if self.last_switch_t is not None and s.t - self.last_switch_t < self.min_dwell_s:
             return None
-        decision = Decision(s.t, self.split, new, reason)
+        decision = Decision(s.t, self.split, new, reason, self.num_workers)
         self.split, self.last_switch_t = new, s.t
         self._wanted, self._streak = None, 0
         self.decisions.append(decision)
         return decision
 
 
-def describe(split: Split) -> str:
+def describe(split: Split, num_workers: int | None = None) -> str:
+    """`1P+1D`, `2 colocated`, or with parked workers (`num_workers` more than the split's)
+    `1 colocated + 1 parked`."""
     p, d = split
-    return f"{d} colocated" if p == 0 else f"{p}P+{d}D"
+    if p == 0:
+        parked = (num_workers or d) - d
+        return f"{d} colocated" + (f" + {parked} parked" if parked > 0 else "")
+    return f"{p}P+{d}D"

@@ -6,6 +6,10 @@ decode role, or all of them role `both` when `p` is 0. A switch moves no state: 
 holds finishes in place (running decodes decode on, queued prefills hand off as before). Which
 workers switch: the ones holding the least of what they stop doing.
 
+With `--pd-merge` the split may be `MERGED`: one worker keeps role `both` and the others are
+parked (no new work; what they hold finishes in place). `cpu_sets` then lends the CPUs of every
+parked worker that has nothing left to do to the colocated one, which runs a thread on each.
+
 `LoadObserver` turns what the frontend sees (worker states, step times, finished requests,
 requests still waiting for their first token) into the `LoadSample`s the P:D controller reads.
 """
@@ -17,7 +21,14 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from pdserve.pools.pd_controller import Decision, LoadSample, PDController, PhaseSLO, describe
+from pdserve.pools.pd_controller import (
+    MERGED,
+    Decision,
+    LoadSample,
+    PDController,
+    PhaseSLO,
+    describe,
+)
 from pdserve.types import Role, RoleControl
 
 logger = logging.getLogger("pdserve.pool")
@@ -119,33 +130,62 @@ class Worker:
     alive: bool
     num_running: int = 0
     queued_prefill_tokens: int = 0
+    num_waiting: int = 0
+
+    @property
+    def idle(self) -> bool:
+        return self.num_running == 0 and self.num_waiting == 0
 
 
 def current_split(workers: list[Worker]) -> Split:
-    live = [w for w in workers if w.alive]
+    """(prefill, decode or colocated) among the live workers; parked ones are in neither."""
+    live = [w for w in workers if w.alive and w.role != Role.PARKED]
     p = sum(w.role == Role.PREFILL for w in live)
     return p, len(live) - p
 
 
 def assign(workers: list[Worker], split: Split) -> dict[int, Role]:
     """New roles for the live workers so that `split` holds, switching as few as possible and,
-    among candidates, the ones holding the least of what they stop doing."""
+    among candidates, the ones holding the least of what they stop doing. `MERGED` keeps the
+    worker with the most work (it would take longest to finish) and parks the others."""
     live = [w for w in workers if w.alive]
     p, d = split
+    if split == MERGED and len(live) > 1:
+        host = max(live, key=lambda w: (w.role.decodes, w.num_running, -w.worker_id))
+        return {w.worker_id: Role.BOTH if w is host else Role.PARKED for w in live}
     if p + d != len(live):
         raise ValueError(f"split {describe(split)} does not fit {len(live)} live workers")
     if p == 0:
         return {w.worker_id: Role.BOTH for w in live}
     prefill = [w for w in live if w.role == Role.PREFILL]
     others = [w for w in live if w.role != Role.PREFILL]
-    if len(prefill) < p:  # take decode work from the least busy decoders
-        others.sort(key=lambda w: (w.num_running, w.worker_id))
+    if len(prefill) < p:  # take decode work from the least busy decoders (parked ones first)
+        others.sort(key=lambda w: (w.role != Role.PARKED, w.num_running, w.worker_id))
         prefill += others[: p - len(prefill)]
     elif len(prefill) > p:  # keep the prefill workers with the most queued prompt tokens
         prefill.sort(key=lambda w: (-w.queued_prefill_tokens, w.worker_id))
         prefill = prefill[:p]
     chosen = {w.worker_id for w in prefill}
     return {w.worker_id: Role.PREFILL if w.worker_id in chosen else Role.DECODE for w in live}
+
+
+def cpu_sets(workers: list[Worker], own: dict[int, frozenset[int]]) -> dict[int, frozenset[int]]:
+    """The CPUs each live worker should run on: its own (`own`), and for the one colocated
+    worker of a merged deployment also those of every parked worker that holds nothing any
+    more, or died. A parked worker that still finishes requests keeps its CPUs until it is
+    done, so no core ever runs two workers' threads."""
+    live = [w for w in workers if w.alive]
+    out = {w.worker_id: own[w.worker_id] for w in live}
+    active = [w for w in live if w.role != Role.PARKED]
+    if len(active) != 1 or not any(w.role == Role.PARKED for w in workers):
+        return out
+    host = active[0].worker_id
+    lent = set(out[host])
+    for w in workers:
+        if w.role == Role.PARKED and (not w.alive or w.idle):
+            lent |= own[w.worker_id]
+    out[host] = frozenset(lent)
+    return out
 
 
 class RoleManager:
@@ -166,15 +206,18 @@ class RoleManager:
         roles = assign(workers, split)
         changes = {wid: r for wid, r in roles.items() if _role_of(workers, wid) != r}
         if changes:
-            self.decisions.append(Decision(time.monotonic(), old, split, reason))
-            logger.info("deployment %s -> %s: %s", describe(old), describe(split), reason)
+            decision = Decision(time.monotonic(), old, split, reason, len(roles))
+            self.decisions.append(decision)
+            logger.info("deployment %s -> %s: %s", *decision.describe(), reason)
         return changes
 
     def tick(self, workers: list[Worker], sample: LoadSample) -> dict[int, Role]:
         """Auto control: feed the controller one sample; the role changes it asks for."""
         if self.controller is None:
             return {}
-        self.controller.split = current_split(workers)  # a death or manual switch moved it
+        # a death or a manual switch moved them
+        self.controller.split = current_split(workers)
+        self.controller.num_workers = sum(w.alive for w in workers)
         decision = self.controller.observe(sample)
         if decision is None:
             return {}
@@ -184,14 +227,14 @@ class RoleManager:
         """What GET /deployment shows."""
         return {
             "control": str(self.control),
-            "split": describe(current_split(workers)),
+            "split": describe(current_split(workers), sum(w.alive for w in workers)),
             "workers": [
                 {"id": w.worker_id, "role": str(w.role), "alive": w.alive} for w in workers
             ],
             "decisions": [
                 {
-                    "old": describe(d.old),
-                    "new": describe(d.new),
+                    "old": d.describe()[0],
+                    "new": d.describe()[1],
                     "reason": d.reason,
                     "age_s": round(time.monotonic() - d.t, 3),  # how long ago it was made
                 }

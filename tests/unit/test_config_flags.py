@@ -111,6 +111,7 @@ SAMPLES = {
         pd_ratio=RoleControl.AUTO,
         slo="ttft_ms=1500,tpot_ms=80",
         pd_min_dwell_s=12.0,
+        pd_merge=False,  # refused with ray_address: test_pd_merge_rules covers the flag
         ray_address="10.0.0.1:6379",
         ray_cpus_per_worker=4.0,
         ray_gpus_per_worker=1.0,
@@ -152,6 +153,27 @@ def argv_of(cls: type, values: dict) -> list[str]:
 def test_every_field_is_a_setting_or_says_why_not(cls):
     assert undeclared(cls) == []
     assert set(SAMPLES[cls]) == {o.name for o in options(cls)}
+
+
+def test_pd_merge_rules():
+    ok = disagg_config_from(
+        parse_serve("--decode-workers", "2", "--decode-cpus", "0", "--decode-cpus", "1",
+                    "--pd-ratio", "auto", "--pd-merge")
+    )  # fmt: skip
+    assert ok.pd_merge and ok.pd_ratio == RoleControl.AUTO
+    for argv, why in (
+        (("--decode-workers", "2", "--decode-cpus", "0", "--pd-merge"), "switchable roles"),
+        (("--decode-workers", "2", "--pd-ratio", "manual", "--pd-merge"), "CPU set"),
+        (("--prefill-workers", "1", "--decode-cpus", "1", "--pd-ratio", "auto", "--pd-merge"),
+         "CPU set"),
+        (("--decode-workers", "2", "--decode-cpus", "0", "--pd-ratio", "auto", "--pd-merge",
+          "--ray-address", "auto"), "cluster"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            disagg_config_from(parse_serve(*argv))
+    tp = EngineArgs(model="m", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        worker_specs(tp, ok)
 
 
 def test_every_per_pool_setting_has_an_invalid_example():

@@ -113,3 +113,44 @@ def test_an_explicit_thread_count_undoes_an_earlier_engines_pinning(tiny_models)
     finally:
         torch.set_num_threads(before)
         os.sched_setaffinity(0, cpus)
+
+
+RUN_ON = """
+import os, sys, threading, torch
+from pdserve.engine.cpu_placement import parse_cpu_set, run_on
+stop = threading.Event()
+t = threading.Thread(target=stop.wait)  # a thread made before the move moves too
+t.start()
+torch.ones(256, 256) @ torch.ones(256, 256)  # the OpenMP pool exists
+for text in sys.argv[1:]:
+    cpus = parse_cpu_set(text)
+    run_on(cpus)
+    tids = [int(x) for x in os.listdir("/proc/self/task")]
+    assert all(os.sched_getaffinity(tid) == cpus for tid in tids), text
+    assert torch.get_num_threads() == len(cpus), text
+    threading.Thread(target=lambda: None).start()  # and one made after it inherits the set
+stop.set()
+print("ok")
+"""
+
+
+def test_run_on_moves_every_thread_and_sets_the_thread_count():
+    import subprocess
+    import sys
+
+    allowed = sorted(os.sched_getaffinity(0))
+    sets = [str(allowed[0])]
+    if len(allowed) > 1:  # grow to two CPUs, then move to the other one
+        sets += [f"{allowed[0]},{allowed[1]}", str(allowed[1])]
+    out = subprocess.run(
+        [sys.executable, "-c", RUN_ON, *sets], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_cpu_sets_parse_as_linux_writes_them():
+    assert cpu_placement.parse_cpu_set("0") == {0}
+    assert cpu_placement.parse_cpu_set("0-2,5") == {0, 1, 2, 5}
+    for bad in ("", "a", "3-1", "-1", "0,,1"):
+        with pytest.raises(ValueError, match="CPU set"):
+            cpu_placement.parse_cpu_set(bad)

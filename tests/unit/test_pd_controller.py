@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from pdserve.pools.pd_controller import (
+    MERGED,
     LoadSample,
     PDController,
     PhaseSLO,
@@ -133,3 +134,44 @@ def test_slo_text_parses_like_the_bench_flag():
     for bad in ("ttft_ms=1500", "ttft_ms=0,tpot_ms=1", "e2e_ms=1,tpot_ms=1", "ttft_ms=x,tpot_ms=1"):
         with pytest.raises(ValueError, match="--slo"):
             PhaseSLO.parse(bad)
+
+
+# ---- --pd-merge: colocated means one worker on every worker's CPUs -------------------------------
+def test_merge_starts_merged_and_a_steady_load_stays():
+    ctrl = PDController(2, SLO, merge=True)
+    assert ctrl.split == MERGED and describe(ctrl.split, 2) == "1 colocated + 1 parked"
+    assert run(ctrl, [calm(t) for t in range(100)]) == []
+    assert (
+        run(PDController(2, SLO, merge=True, patience=1), [overloaded(t) for t in range(20)]) == []
+    )
+
+
+def test_merged_splits_on_interference_and_every_way_back_merges():
+    ctrl = PDController(2, SLO, merge=True, patience=2, min_dwell_s=0)
+    [d] = run(ctrl, [interfered(0), interfered(1)])
+    assert (d.old, d.new) == (MERGED, (1, 1)) and "stall" in d.reason
+    assert d.describe() == ("1 colocated + 1 parked", "1P+1D")
+    [d] = run(ctrl, [overloaded(2), overloaded(3)])  # both phases over: back, merged
+    assert d.new == MERGED and "both phases" in d.reason
+    ctrl = PDController(2, SLO, start=(1, 1), merge=True, patience=1, min_dwell_s=0)
+    assert [d.new for d in run(ctrl, [prefill_heavy(0)])] == [MERGED]
+    ctrl = PDController(2, SLO, start=(1, 1), merge=True, patience=1, min_dwell_s=0)
+    assert [d.new for d in run(ctrl, [decode_heavy(0)])] == [MERGED]
+
+
+def test_spread_colocated_workers_merge():
+    """Two colocated workers (after a restart, or an operator's split) merge when the
+    controller merges, whatever the load."""
+    ctrl = PDController(3, SLO, merge=True, patience=2, min_dwell_s=0)
+    ctrl.split = (0, 3)
+    [d] = run(ctrl, [calm(0), calm(1)])
+    assert d.new == MERGED and describe(d.new, 3) == "1 colocated + 2 parked"
+    # from merged, a split uses every worker, parked ones included
+    ctrl = PDController(3, SLO, merge=True, patience=1, min_dwell_s=0)
+    assert [d.new for d in run(ctrl, [interfered(0)])] == [(1, 2)]
+
+
+def test_without_merge_a_one_worker_split_is_refused():
+    with pytest.raises(ValueError, match="start split"):
+        PDController(2, SLO, start=MERGED)
+    assert PDController(2, SLO, start=MERGED, merge=True).split == MERGED

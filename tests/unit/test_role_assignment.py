@@ -4,16 +4,30 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.pools.pd_controller import PDController, PhaseSLO
-from pdserve.pools.roles import LoadObserver, RoleManager, Worker, assign, current_split
+from pdserve.pools.pd_controller import MERGED, PDController, PhaseSLO
+from pdserve.pools.roles import (
+    LoadObserver,
+    RoleManager,
+    Worker,
+    assign,
+    cpu_sets,
+    current_split,
+)
 from pdserve.types import Role, RoleControl
 
-B, P, D = Role.BOTH, Role.PREFILL, Role.DECODE
+B, P, D, X = Role.BOTH, Role.PREFILL, Role.DECODE, Role.PARKED
 
 
-def workers(*roles, running=(), queued=(), dead=()):
+def workers(*roles, running=(), queued=(), dead=(), waiting=()):
     return [
-        Worker(i, r, i not in dead, dict(running).get(i, 0), dict(queued).get(i, 0))
+        Worker(
+            i,
+            r,
+            i not in dead,
+            dict(running).get(i, 0),
+            dict(queued).get(i, 0),
+            dict(waiting).get(i, 0),
+        )
         for i, r in enumerate(roles)
     ]
 
@@ -116,3 +130,51 @@ def test_after_a_switch_only_requests_that_arrived_under_the_new_split_count():
     assert load.attainment() == (1.0, 1.0)
     load.on_gone("dropped")
     assert load.arrived == {}  # nothing left behind once each ended
+
+
+# ---- --pd-merge: parked workers and the CPUs they lend --------------------------------------------
+OWN = {0: frozenset({0}), 1: frozenset({1}), 2: frozenset({2, 3})}
+
+
+def test_merging_keeps_the_busiest_worker_and_parks_the_rest():
+    ws = workers(B, B, B, running=[(0, 1), (1, 4), (2, 2)])
+    assert assign(ws, MERGED) == {0: X, 1: B, 2: X}
+    # from a split, the decode worker (it holds the streams) stays, the prefill worker parks
+    assert assign(workers(P, D, running=[(0, 3), (1, 1)]), MERGED) == {0: X, 1: B}
+    assert current_split(workers(X, B, X)) == (0, 1)
+    assert assign(workers(B, D, dead=[1]), MERGED) == {0: B}  # one live worker: nothing parks
+
+
+def test_unmerging_gives_the_parked_worker_the_prefill_role():
+    ws = workers(X, B, running=[(1, 5)])
+    assert assign(ws, (1, 1)) == {0: P, 1: D}
+    assert assign(ws, (0, 2)) == {0: B, 1: B}
+
+
+def test_a_parked_worker_lends_its_cpus_only_once_it_holds_nothing():
+    busy = workers(B, X, running=[(1, 2)])
+    assert cpu_sets(busy, OWN) == {0: OWN[0], 1: OWN[1]}
+    waiting = workers(B, X, waiting=[(1, 1)])  # a handed-off request waits for its KV there
+    assert cpu_sets(waiting, OWN) == {0: OWN[0], 1: OWN[1]}
+    idle = workers(B, X)
+    assert cpu_sets(idle, OWN) == {0: frozenset({0, 1}), 1: OWN[1]}
+    three = workers(X, B, X, running=[(2, 1)])  # one done, one still finishing
+    assert cpu_sets(three, OWN)[1] == frozenset({0, 1})
+    assert cpu_sets(workers(X, B, X), OWN)[1] == frozenset({0, 1, 2, 3})
+
+
+def test_a_dead_parked_worker_lends_its_cpus_and_splits_lend_nothing():
+    assert cpu_sets(workers(B, X, running=[(1, 3)], dead=[1]), OWN) == {0: frozenset({0, 1})}
+    for ws in (workers(B, B), workers(P, D), workers(P, D, B)):
+        assert cpu_sets(ws, OWN) == {w.worker_id: OWN[w.worker_id] for w in ws}
+    # a worker that was colocated and died is not parked: its CPUs stay its own
+    assert cpu_sets(workers(B, B, dead=[1]), OWN) == {0: OWN[0]}
+
+
+def test_merged_decisions_describe_the_parked_workers():
+    m = RoleManager(RoleControl.MANUAL)
+    assert m.plan(workers(B, B), MERGED, "operator") == {1: X}
+    report = m.report(workers(B, X))
+    assert report["split"] == "1 colocated + 1 parked"
+    assert report["decisions"][0]["new"] == "1 colocated + 1 parked"
+    assert report["decisions"][0]["old"] == "2 colocated"

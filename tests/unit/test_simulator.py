@@ -111,6 +111,32 @@ def test_auto_split_follows_the_load_in_simulated_time():
         w.scheduler.kv.pool.check_whole()
 
 
+def test_merged_workers_run_on_every_cpu_and_lend_them_only_when_idle():
+    """--pd-merge: one worker runs both workers' CPUs (its steps take the two-thread model's
+    time); after a split the parked worker prefills again on its own CPU, and the decode
+    worker goes back to one thread."""
+    disagg = DisaggConfig(
+        num_decode_workers=2, decode_cpus=("0", "1"), pd_ratio="auto", pd_merge=True,
+        slo="ttft_ms=5000,tpot_ms=60", pd_min_dwell_s=5,
+    )  # fmt: skip
+    args = EngineArgs(model="m", max_num_batched_tokens=512)
+    sim = Simulation(PROFILE, args, disagg, max_model_len=4096)
+    host, parked = sim.workers
+    assert (host.role, parked.role, host.size, parked.size) == ("both", "parked", 2, 1)
+    first = sim.run([RequestSpec(0, 0.0, 900, 4)]).steps[0]
+    assert first.duration_s == pytest.approx(TWO.predict(StepShape.of([512], [512], 0)))
+    sim = Simulation(PROFILE, args, disagg, max_model_len=4096)
+    res = sim.run([RequestSpec(i, i * 0.5, 900, 96) for i in range(80)])
+    assert all(r.status == COMPLETED for r in res.records)
+    assert res.decisions[0]["reason"] == "start (--pd-merge)"
+    assert res.decisions[1]["new"] == [1, 1]  # interference: split
+    # idle at the end: merged, the host on both CPUs; split, each worker on its own
+    merged = any(w.role == "parked" for w in sim.workers)
+    assert sorted(w.size for w in sim.workers) == ([1, 2] if merged else [1, 1])
+    for w in sim.workers:
+        w.scheduler.kv.pool.check_whole()
+
+
 def test_prefix_sharing_from_trace_hash_ids_hits_the_cache():
     shared = [RequestSpec(i, i * 2.0, 1024, 8, hash_ids=(7, 100 + i)) for i in range(5)]
     assert prompt_ids(shared[0], 4096)[:512] == prompt_ids(shared[1], 4096)[:512]
