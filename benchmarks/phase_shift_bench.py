@@ -25,7 +25,7 @@ measured: prefill-heavy 0.506 req/s, decode-heavy 0.363, mixed 0.332). A burst e
 of few running requests, so this is a lower bound of what the deployment sustains: the load sits
 near, not beyond, its capacity.
 
-Four deployments of the same model (default: a random llama-125m, float32), each started as
+Five deployments of the same model (default: a random llama-125m, float32), each started as
 `pdserve serve` on a free port, run one after another on the very same requests (all with
 `--linear-backend onednn` unless `--linear-backend` says otherwise):
 
@@ -37,6 +37,9 @@ Four deployments of the same model (default: a random llama-125m, float32), each
   auto               static-1p1d's command plus --max-num-batched-tokens 256 --pd-ratio auto --slo <the --slo's TTFT and
                      TPOT> --pd-min-dwell-s 10: the P:D controller moves the split between
                      1P+1D and 2 colocated workers as the load shifts
+  auto-merged        two-colocated's command plus auto's flags and --pd-merge: starts as one
+                     worker on both cores (the other parked), and the controller moves between
+                     that and 1P+1D
 
 While a switchable deployment runs, GET /deployment is polled every `--poll-s` (1 s): the split
 over time and every decision (from, to, reason; its time is that of the first poll that showed
@@ -54,8 +57,8 @@ TTFT and TPOT alone.
 
 Reported per deployment: goodput (requests meeting their SLO per second of offered load, i.e.
 per stretch length) and SLO attainment per stretch and overall, TTFT and TPOT p50/p99 per
-stretch; auto's goodput over the best static deployment's (best of the other three), per
-stretch and overall; auto's share of each stretch in each split and its decisions. A markdown
+stretch; each adaptive deployment's goodput over the best static one's (of the other three), per
+stretch and overall; the adaptive deployments' share of each stretch in each split and its decisions. A markdown
 table is printed; `--output` saves everything (per-request records too), `--plot` draws the
 split over time with the stretch boundaries and the rolling attainment of every deployment.
 `--reanalyze FILE` recomputes the figures of a saved run under other SLOs.
@@ -63,7 +66,7 @@ split over time with the stretch boundaries and the rolling attainment of every 
 Each run waits until no other benchmark, test or pdserve process runs, and runs again (up to
 `--attempts`) when one appeared while it ran. Duration: per deployment ~20 s to start and warm
 up, 3 x `--stretch-s` of load, then the drain of what is still running (10-60 s): about 6
-minutes each, 25 for all four at the defaults (more while waiting for a quiet CPU).
+minutes each, 30 for all five at the defaults (more while waiting for a quiet CPU).
 """
 
 from __future__ import annotations
@@ -85,7 +88,6 @@ from lib.disagg_analysis import per_worker_steps  # noqa: E402
 from lib.machine import code_info, machine_info  # noqa: E402
 from lib.paths import DEFAULT_125M, TRACE, ensure_125m  # noqa: E402
 from lib.phase_shift import (  # noqa: E402
-    ADAPTIVE,
     STRETCHES,
     DeploymentPoller,
     Stretch,
@@ -129,7 +131,8 @@ def deployments(a, model: str) -> dict[str, list[str]]:
         "colocated-chunked": [*m, "--cpus", "0-1", "--max-num-batched-tokens", str(a.budget)],
         "static-1p1d": [*m, *split],
         "two-colocated": [*m, *multi, "--decode-workers", "2", *two],
-        ADAPTIVE: [*m, *multi, *split, *auto],
+        "auto": [*m, *multi, *split, *auto],
+        "auto-merged": [*m, *multi, "--decode-workers", "2", *two, *auto, "--pd-merge"],
     }
 
 

@@ -27,7 +27,9 @@ from pdserve.bench.traces import TraceRow
 from pdserve.bench.workload import RequestSpec, arrival_offsets
 
 STRETCHES = ("prefill-heavy", "decode-heavy", "mixed")
-ADAPTIVE = "auto"  # the deployment whose split moves; the others are the static ones
+# the deployments whose split moves (auto: between 1P+1D and two colocated workers;
+# auto-merged: --pd-merge, between 1P+1D and one worker on both cores); the others are static
+ADAPTIVE = ("auto", "auto-merged")
 
 
 # ---- the load ----------------------------------------------------------------------------------
@@ -240,24 +242,26 @@ def _cancelled(records: list[RequestRecord]) -> int:
 
 
 def compare(entries: list[dict], names: list[str]) -> dict:
-    """The adaptive deployment's goodput over the best static one's, per stretch and overall."""
-    auto = next((e for e in entries if e["name"] == ADAPTIVE), None)
-    static = [e for e in entries if e["name"] != ADAPTIVE]
-    if auto is None or not static:
-        return {}
-    out = {}
-    for part in [*names, "overall"]:
-        get = (lambda e, p=part: e["overall"]) if part == "overall" else (
-            lambda e, p=part: e["stretches"][p]
-        )  # fmt: skip
-        best = max(static, key=lambda e: get(e)["goodput"])
-        g_best, g_auto = get(best)["goodput"], get(auto)["goodput"]
-        out[part] = {
-            "auto_goodput": g_auto,
-            "best_static": best["name"],
-            "best_static_goodput": g_best,
-            "ratio": g_auto / g_best if g_best > 0 else None,
-        }
+    """Each adaptive deployment's goodput over the best static one's, per stretch and overall:
+    {adaptive name: {part: ...}}."""
+    static = [e for e in entries if e["name"] not in ADAPTIVE]
+    out: dict = {}
+    for auto in (e for e in entries if e["name"] in ADAPTIVE):
+        if not static:
+            break
+        parts = out[auto["name"]] = {}
+        for part in [*names, "overall"]:
+            get = (lambda e, p=part: e["overall"]) if part == "overall" else (
+                lambda e, p=part: e["stretches"][p]
+            )  # fmt: skip
+            best = max(static, key=lambda e: get(e)["goodput"])
+            g_best, g_auto = get(best)["goodput"], get(auto)["goodput"]
+            parts[part] = {
+                "auto_goodput": g_auto,
+                "best_static": best["name"],
+                "best_static_goodput": g_best,
+                "ratio": g_auto / g_best if g_best > 0 else None,
+            }
     return out
 
 
@@ -321,13 +325,12 @@ def print_tables(res: dict) -> None:
                 f"({p['failed']}) | {bold}{p['goodput']:.3f}{bold} | {_pct(p['attainment'])} "
                 f"| {_p50_99(p['ttft_ms'])} | {_p50_99(p['tpot_ms'])} |"
             )
-    cmp = res.get("comparison") or {}
-    if cmp:
-        print(f"\n### Goodput of {ADAPTIVE} over the best static deployment\n")
+    for name, cmp in (res.get("comparison") or {}).items():
+        print(f"\n### Goodput of {name} over the best static deployment\n")
         print("| | " + " | ".join(cmp) + " |")
         print("| --- |" + " --- |" * len(cmp))
         print(
-            "| auto / best static | "
+            f"| {name} / best static | "
             + " | ".join("-" if c["ratio"] is None else f"{c['ratio']:.2f}" for c in cmp.values())
             + " |"
         )
@@ -339,9 +342,7 @@ def print_tables(res: dict) -> None:
             + " |"
         )
         print(
-            f"| {ADAPTIVE} goodput | "
-            + " | ".join(f"{c['auto_goodput']:.3f}" for c in cmp.values())
-            + " |"
+            f"| {name} goodput | " + " | ".join(f"{c['auto_goodput']:.3f}" for c in cmp.values()) + " |"
         )
     for e in entries:
         tl = e.get("timeline")
@@ -377,6 +378,14 @@ def print_decisions(timeline: dict, stretches: list[dict], file=None) -> None:
         )
 
 
+def split_level(sample: dict) -> int:
+    """Where a polled split sits on the plot: 0 merged (a worker parked, --pd-merge), 1 every
+    worker colocated, 2 and up a P+D split (by its prefill workers)."""
+    if "parked" in (sample.get("split") or ""):
+        return 0
+    return 1 + (sample.get("prefill_workers") or 0)
+
+
 def plot(res: dict, path: str, window_s: float) -> str:
     """The split of each switchable deployment over time with the stretch boundaries, and the
     rolling SLO attainment of every deployment. Without matplotlib, the decisions timeline as a
@@ -406,21 +415,21 @@ def plot(res: dict, path: str, window_s: float) -> str:
         if not s or e.get("control", "static") == "static":
             continue
         t = [x["t"] for x in s]
-        p = [x["prefill_workers"] for x in s]
+        p = [split_level(x) for x in s]
         top.step(t, p, where="post", color=colors[e["name"]], label=e["name"])
         for d in tl.get("decisions", []):
             top.annotate(
                 f"{d['from']} -> {d['to']}",
-                (d["t"], 0.5),
+                (d["t"], 1.0),
                 rotation=90,
                 fontsize=7,
                 va="center",
                 ha="right",
             )
             top.axvline(d["t"], color=colors[e["name"]], ls=":", lw=0.8)
-    top.set_ylabel("prefill workers")
-    top.set_ylim(-0.2, 1.4)
-    top.set_yticks([0, 1], ["0 (colocated)", "1 (1P+1D)"])
+    top.set_ylabel("split")
+    top.set_ylim(-0.2, 2.4)
+    top.set_yticks([0, 1, 2], ["merged (1 worker)", "colocated", "1P+1D"])
     if top.get_legend_handles_labels()[0]:
         top.legend(loc="upper right", fontsize=8)
     else:
@@ -444,7 +453,7 @@ def plot(res: dict, path: str, window_s: float) -> str:
             ax.axvline(st["start_s"], color="grey", lw=0.8)
         ax.axvline(end_s, color="grey", lw=0.8)
     for st in stretches:
-        top.text((st["start_s"] + st["end_s"]) / 2, 1.3, st["name"], ha="center", fontsize=9)
+        top.text((st["start_s"] + st["end_s"]) / 2, 2.3, st["name"], ha="center", fontsize=9)
     fig.suptitle("phase-shifting load: the split of switchable deployments and SLO attainment")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
