@@ -4,10 +4,10 @@ Static (`--pd-ratio static`): roles are fixed at startup and `report` only descr
 `manual` or `auto` the workers are switchable: `set_split` (POST /deployment) or the P:D
 controller (`control_loop`, every second) give them new roles through the router. With
 `--pd-merge` a split may park workers: each parked worker's CPUs go to the one colocated worker
-(`SetCPUs`) once it holds nothing any more, and come back before a split gives it work again. The client
-feeds `on_step`, `on_arrival`, `on_output` and `on_gone`, from which `LoadObserver` builds the
-samples the controller reads and the SLO attainment gauges, and `PrefillRate` the prefill rate
-that SLO-aware admission predicts with (`pdserve.frontend.admission`).
+(`SetCPUs`) once it holds nothing any more, and go back when a split gives it work again. The
+client feeds `on_step`, `on_arrival`, `on_output` and `on_gone`, from which `LoadObserver` builds
+the samples the controller reads and the SLO attainment gauges, and `PrefillRate` the prefill
+rate that SLO-aware admission predicts with (`pdserve.frontend.admission`).
 """
 
 from __future__ import annotations
