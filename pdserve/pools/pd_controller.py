@@ -15,7 +15,9 @@ The policy, for a deployment of `n` workers:
 
 - colocated, decode missing its SLO while there is prefill work (prompts queued, or computed
   lately in steps that decodes shared) and prefill has headroom: prefills stall the decodes that
-  share their steps, so split (1 prefill worker, `n - 1` decode);
+  share their steps, so split (1 prefill worker, `n - 1` decode); unless the recent requests'
+  TTFTs, n times longer on one worker's share of the cores, would miss the TTFT SLO (then the
+  split would trade the decodes' misses for the prompts');
 - split, both phases missing their SLOs: back to colocated, where every worker gives its cores to
   whichever phase has work (a split only helps when one phase has capacity to spare);
 - split, prefill missing its SLO while decode has headroom: move a decode worker to prefill, or
@@ -80,6 +82,7 @@ class LoadSample:
     ttft_attainment: float | None = None  # share of recent requests within the TTFT SLO
     tpot_attainment: float | None = None  # share of recent requests within the TPOT SLO
     prefill_tokens_on_decoders: int = 0  # prompt tokens that workers which decode computed lately
+    recent_ttfts_s: tuple[float, ...] = ()  # TTFTs of the requests behind `ttft_attainment`
 
     @property
     def prefill_work(self) -> bool:
@@ -110,6 +113,17 @@ def pressures(s: LoadSample, slo: PhaseSLO) -> tuple[float, float]:
     return prefill, decode
 
 
+def split_ttft_pressure(s: LoadSample, slo: PhaseSLO, num_workers: int) -> float | None:
+    """The prefill pressure colocated workers would have split into 1 prefill worker + the rest
+    decode: that worker has a `num_workers`-th of the cores (or of the workers) that prefill now,
+    so each recent TTFT is scaled by `num_workers` (queueing and compute alike). None: no recent
+    request to judge by."""
+    if not s.recent_ttfts_s:
+        return None
+    within = sum(t * num_workers <= slo.ttft_s for t in s.recent_ttfts_s)
+    return (1.0 - within / len(s.recent_ttfts_s)) * 10
+
+
 def wish(
     split: Split, s: LoadSample, slo: PhaseSLO, num_workers: int | None = None, merge: bool = False
 ) -> tuple[Split, str] | None:
@@ -123,10 +137,15 @@ def wish(
         if merge and d > 1:
             return MERGED, f"{d} colocated workers merge: one worker on all their CPUs"
         if n >= 2 and dec >= HIGH and pre < LOW and s.prefill_work:
+            after = split_ttft_pressure(s, slo, n)
+            if after is not None and after >= HIGH:  # one worker's share could not keep TTFT
+                return None
             return (1, n - 1), (
                 f"decode pressure {dec:.2f} with prompts to compute ({s.queued_prefill_tokens} "
                 f"queued, {s.prefill_tokens_on_decoders} lately) and prefill headroom "
-                f"({pre:.2f}): prefills stall colocated decodes"
+                f"({pre:.2f}"
+                + ("" if after is None else f", {after:.2f} on one worker's share")
+                + "): prefills stall colocated decodes"
             )
         return None
     if pre >= HIGH and (dec >= HIGH or s.kv_usage >= KV_FULL):

@@ -92,6 +92,11 @@ class LoadObserver:
             while window and now - window[0][0] > self.window_s:
                 window.popleft()
 
+    def ttfts(self) -> list[float]:
+        """TTFTs of the requests finished in the window."""
+        self._prune(self.clock())
+        return [t for _, t, _ in self.finished if t is not None]
+
     def attainment(self) -> tuple[float | None, float | None]:
         """The shares of the requests finished in the window that met the TTFT and the TPOT SLO
         (None: no such request)."""
@@ -114,6 +119,7 @@ class LoadObserver:
             ttft_attainment=ttft_attainment,
             tpot_attainment=tpot_attainment,
             prefill_tokens_on_decoders=sum(n for _, n in self.prefill_on_decoders),
+            recent_ttfts_s=tuple(self.ttfts()),
         )
 
 

@@ -175,3 +175,26 @@ def test_without_merge_a_one_worker_split_is_refused():
     with pytest.raises(ValueError, match="start split"):
         PDController(2, SLO, start=MERGED)
     assert PDController(2, SLO, start=MERGED, merge=True).split == MERGED
+
+
+def test_no_split_when_one_workers_share_would_miss_the_ttft_target():
+    """Splitting gives prompts one worker's share of the cores: TTFTs that would then miss the
+    target (2 s here; n = 2 doubles them) keep the workers together, however the decodes fare."""
+    from dataclasses import replace
+
+    def with_ttfts(sample, ttfts):
+        return replace(sample, recent_ttfts_s=tuple(ttfts))
+
+    fast = [with_ttfts(interfered(t), [0.4, 0.7, 0.9] * 4) for t in range(3)]
+    [d] = run(PDController(2, SLO, patience=3, min_dwell_s=0), fast)
+    assert d.new == (1, 1) and "0.00 on one worker's share" in d.reason
+    slow = [with_ttfts(interfered(t), [0.4, 0.7, 1.2] * 4) for t in range(10)]  # 1.2 s x 2 > 2 s
+    assert run(PDController(2, SLO, patience=3, min_dwell_s=0), slow) == []
+    assert run(PDController(2, SLO, merge=True, patience=3, min_dwell_s=0), slow) == []
+    # three workers: one worker's share is a third
+    [d] = run(PDController(3, SLO, patience=1, min_dwell_s=0), [with_ttfts(interfered(0), [0.6])])
+    assert d.new == (1, 2)
+    assert (
+        run(PDController(3, SLO, patience=1, min_dwell_s=0), [with_ttfts(interfered(0), [0.7])])
+        == []
+    )

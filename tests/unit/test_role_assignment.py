@@ -80,11 +80,13 @@ def test_observer_windows_attainment_and_oldest_wait():
     s = obs.sample(queued_prefill_tokens=50, kv_usage=0.3)
     assert s.oldest_wait_s == pytest.approx(3.0)
     assert (s.ttft_attainment, s.tpot_attainment) == (0.5, 0.5)
+    assert s.recent_ttfts_s == (0.5, 2.0)
     assert s.decode_step_s == pytest.approx(0.8 * 0.04 + 0.2 * 0.09)
     obs.on_first_output("a")
     now[0] = 120.0
     s = obs.sample(0, 0.0)
     assert s.oldest_wait_s == 0 and s.ttft_attainment is None  # the window moved on
+    assert s.recent_ttfts_s == ()
 
 
 def test_auto_tick_follows_the_controller():
