@@ -301,7 +301,8 @@ class EngineArgs:
         "none",
         choices=("none", "int8", "int4"),
         help="weight-only quantization at load: int8 (a scale per output channel) or int4 "
-        "(a scale per group of input features); the products round their activations to 8 "
+        "(a scale and a minimum per group of input features, calibrated on text the model "
+        "samples); the products round their activations to 8 "
         "bits per block of 32 and use integer dot products (AVX-512 VNNI where present); CPU "
         "(see pdserve/models/quant_linear.py)",
     )
@@ -316,7 +317,15 @@ class EngineArgs:
     quantization_group_size: int = setting(
         32,
         choices=(32, 64, 128),
-        help="input features per int4 scale",
+        help="input features per int4 scale and minimum",
+    )
+    quantization_calibration_tokens: int = setting(
+        4096,
+        checks=(at_least(0),),
+        help="int4: tokens of text the float model samples at load to calibrate the rounding "
+        "(GPTQ against the float model's outputs, layer by layer; about a minute for a 125M "
+        "model on 2 cores); 0 rounds each weight to nearest. A tensor-parallel shard always "
+        "rounds to nearest (see pdserve/models/calibrate.py)",
     )
 
     def __post_init__(self) -> None:

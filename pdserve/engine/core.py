@@ -77,6 +77,7 @@ class EngineCore:
             enforce_eager=args.enforce_eager,
             quantization=args.quantization,
             group_size=args.quantization_group_size,
+            calibration_tokens=args.quantization_calibration_tokens,
             kv_cache_dtype=args.kv_cache_dtype,
             draft_model=args.draft_model if sched_config.speculation else None,
             draft_layers=args.draft_layers if sched_config.speculation else None,

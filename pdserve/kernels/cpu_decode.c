@@ -26,7 +26,7 @@ enum { PD_F32 = 0, PD_INT8 = 1, PD_INT4 = 2 };
 typedef struct {
     int64_t kind, group, n, k;   /* PD_F32 / PD_INT8 / PD_INT4; int4 group size; W[n, k] */
     const void *w;               /* panels (cpu_linear.c) */
-    const void *scale;           /* int8 (float) / int4 (float16) scales; unused for float32 */
+    const void *scale;           /* int8 (float) scales / int4 (float16) scales and minima */
     const float *bias;           /* NULL, or [n] (float32: padded to the panels) */
 } pd_linear_t;
 

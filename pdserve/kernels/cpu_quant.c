@@ -1,6 +1,6 @@
 /* Matrix products with weight-only quantized weights and 8-bit activations:
- * y[M, N] = x[M, K] @ W[N, K]^T, W int8 (a scale per output channel) or int4 (a scale per group
- * of G input features).
+ * y[M, N] = x[M, K] @ W[N, K]^T, W int8 (a scale per output channel) or int4 (a scale and a
+ * minimum per group of G input features).
  *
  * Widening every 4- or 8-bit weight to a float before a float multiply-add costs more
  * instructions than the weight's bytes take to arrive: such a kernel is compute-bound at a
@@ -9,10 +9,13 @@
  * products are integer dot products of 4 bytes: `vpdpbusd` (AVX-512 VNNI: 64 multiply-adds per
  * instruction) where the CPU has it, the same integer arithmetic in portable vector code where
  * it does not (both give the same integers). Per block b of 32 inputs and output channel n:
- *   y[m, n] += sx[m, b] * sw[n, b] * (sum_k code[n, k] * xq[m, k] - offset * sum_k xq[m, k])
- * where code = w + offset is the weight stored unsigned (offset 8 for int4, 128 for int8), since
- * the instruction multiplies unsigned bytes by signed ones. The torch reference of the same
- * arithmetic is `pdserve.models.quant_linear` (`quantize_activations`, `dequantize_*`).
+ *   int8: y[m, n] += sx[m, b] * sw[n] * (sum_k code[n, k] * xq[m, k] - 128 * sum_k xq[m, k])
+ *   int4: y[m, n] += sx[m, b] * (sw[n, g] * sum_k code[n, k] * xq[m, k]
+ *                                + mw[n, g] * sum_k xq[m, k])
+ * where int8's code = w + 128 is the weight stored unsigned, since the instruction multiplies
+ * unsigned bytes by signed ones, and int4's w = code * sw + mw with code 0..15 (the group's scale
+ * and minimum; g the group of block b). The torch reference of the same arithmetic is
+ * `pdserve.models.quant_linear` (`quantize_activations`, `dequantize_*`).
  *
  * Layouts: output channels in panels of 16 and panels in blocks of PANELS (N padded to whole
  * blocks with zero weights; a thread takes whole blocks), K padded with zero weights to whole
@@ -22,9 +25,9 @@
  *   int8: block B, quad c, panel p, lane j, byte t = code of W[16(PANELS B + p) + j, 4c + t]
  *         (w + 128); one float scale per output channel.
  *   int4: block B, octet c, panel p, lane j, byte t: low nibble = code of W[n, 8c + t], high
- *         nibble = code of W[n, 8c + 4 + t] (w + 8) for n = 16(PANELS B + p) + j; scales as
- *         IEEE half floats (as Q4_0's: a fifth of the bytes a group of 32 reads, not a third),
- *         laid out [block][group][panel][16].
+ *         nibble = code of W[n, 8c + 4 + t] for n = 16(PANELS B + p) + j; scales and minima as
+ *         IEEE half floats (as Q4_1's: 4 bytes per group, a fifth of what a group of 32 reads
+ *         in all), laid out [block][group][scale, minimum][panel][16].
  * So one 64-byte load gives each of 16 lanes the 4 consecutive bytes `vpdpbusd` multiplies by
  * one broadcast quad of activations.
  */
@@ -102,8 +105,8 @@ int pd_vnni(void) {
 }
 
 /* The activations of a product, quantized: q[M, Kp], and per row and block of QB inputs its
- * scale and `offset` times the sum of its values (the code offset's share of the dot product).
- * One allocation holds all three. */
+ * scale and `offset` times the sum of its values (int8: 128, the code offset's share of the dot
+ * product; int4: 1, the sum its minima multiply). One allocation holds all three. */
 typedef struct {
     int8_t *q;
     float *scale;
@@ -170,7 +173,8 @@ static int quantize_acts(const float *x, int64_t M, int64_t K, int64_t Kp, int32
 
 static void free_acts(acts_t *a) { free(a->mem); }
 
-/* Rows m0 .. m0 + mr against panels p0 .. p0 + np of int4 weights (G inputs per scale). */
+/* Rows m0 .. m0 + mr against panels p0 .. p0 + np of int4 weights (G inputs per scale and
+ * minimum). */
 static inline __attribute__((always_inline)) void int4_tile(
     const acts_t *a, int64_t G, const uint8_t *q, const uint16_t *scale, int64_t p0, int64_t N,
     float *y, int64_t m0, const int mr, const int np) {
@@ -178,13 +182,16 @@ static inline __attribute__((always_inline)) void int4_tile(
     const int64_t h = p0 % PANELS;  /* the tile's first panel within its block */
     const int64_t per_group = G / QB;
     const uint8_t *qp = q + (p0 - h) * octets * 64 + h * 64;
-    const uint16_t *sp = scale + (p0 - h) * groups * V + h * V;
+    const uint16_t *sp = scale + (p0 - h) * groups * 2 * V + h * V;
     vf acc[MR][PANELS];
     for (int i = 0; i < mr; i++)
         for (int p = 0; p < np; p++) acc[i][p] = (vf){0};
     for (int64_t g = 0; g < groups; g++) {
-        vf sw[PANELS];
-        for (int p = 0; p < np; p++) sw[p] = load_half(sp + (g * PANELS + p) * V);
+        vf sw[PANELS], mw[PANELS];
+        for (int p = 0; p < np; p++) {
+            sw[p] = load_half(sp + (g * 2 * PANELS + p) * V);
+            mw[p] = load_half(sp + ((g * 2 + 1) * PANELS + p) * V);
+        }
         for (int64_t b = g * per_group; b < (g + 1) * per_group; b++) {
             vi dot[MR][PANELS];
             for (int i = 0; i < mr; i++)
@@ -205,9 +212,10 @@ static inline __attribute__((always_inline)) void int4_tile(
             }
             for (int i = 0; i < mr; i++) {
                 float sx = a->scale[(m0 + i) * nb + b];
-                int32_t corr = a->corr[(m0 + i) * nb + b];
+                vf xsum = splat(sx * (float)a->corr[(m0 + i) * nb + b]);  /* sx * sum_k xq */
                 for (int p = 0; p < np; p++)
-                    acc[i][p] += __builtin_convertvector(dot[i][p] - corr, vf) * (sw[p] * sx);
+                    acc[i][p] += __builtin_convertvector(dot[i][p], vf) * (sw[p] * sx)
+                                 + mw[p] * xsum;
             }
         }
     }
@@ -266,7 +274,7 @@ int pd_int4_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const
     if (G % QB != 0 || G > 512) return -2;
     int64_t Kp = round_up(K, G), blocks = (N + PANELS * V - 1) / (PANELS * V);
     acts_t a;
-    int rc = quantize_acts(x, M, K, Kp, 8, &a);
+    int rc = quantize_acts(x, M, K, Kp, 1, &a);  /* corr: the plain sum, for the minima */
     if (rc == 0) {
 #pragma omp parallel for schedule(PD_SCHEDULE)
         for (int64_t b = 0; b < blocks; b++)

@@ -75,8 +75,8 @@ def int8_linear(
 def int4_linear(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, n: int, k: int, group_size: int
 ) -> torch.Tensor:
-    """x[..., k] @ W.T for the int4 panels q[Np / 16, Kp / 8, 16, 4] and scales[Np / 16,
-    groups, 16] of W[n, k]."""
+    """x[..., k] @ W.T for the int4 panels q[Np / 64, Kp / 8, 4, 16, 4] and the scales and
+    minima [Np / 64, groups, 2, 4, 16] (float16) of W[n, k]."""
     rows = _rows(x, k)
     y = torch.empty(rows.shape[0], n, dtype=torch.float32)
     rc = _lib().pd_int4_linear(rows.data_ptr(), rows.shape[0], k, q.data_ptr(), scale.data_ptr(),

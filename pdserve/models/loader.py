@@ -103,14 +103,17 @@ def load_model(
     quantization: str = "none",
     group_size: int = 32,
     tp: tuple[int, int] = (0, 1),
+    calibration_tokens: int = 0,
 ) -> nn.Module:
     """Build and fill the model. `linear_backend`: "torch" (F.linear), "native" (pdserve's
     kernel, CPU float32), "onednn" (prepacked weights, CPU float32), or "auto" (the first of
     native and onednn that works here). `attn_backend`: how its layers
     attend (None: the model's default, `PagedSDPABackend`). `quantization`: "int8" or "int4"
     replaces every linear layer (the tied output head included) by its weight-only quantized
-    form, whatever `linear_backend` says. `tp` = (rank, size): build rank's shard of a
-    tensor-parallel model (`pdserve.runner.tensor_parallel`)."""
+    form, whatever `linear_backend` says; int4 calibrated on `calibration_tokens` tokens the
+    model samples (`pdserve.models.calibrate`; 0, or a shard: rounded to nearest). `tp` =
+    (rank, size): build rank's shard of a tensor-parallel model
+    (`pdserve.runner.tensor_parallel`)."""
     rank, size = tp
     if size > 1:
         from pdserve.models.tp_shard import shard_config, shard_of
@@ -158,13 +161,27 @@ def load_model(
         )
     model.rope.build(max_len, device, dtype)
     if quantization != "none":
-        quantize_linears(model, quantization, group_size, device, dtype)
+        tokens = calibration_tokens if size == 1 else 0
+        if calibration_tokens and size > 1 and quantization == "int4":
+            logger.warning(
+                "int4 rounds each tensor-parallel shard to nearest: the calibration needs the "
+                "whole model in one process"
+            )
+        quantize_linears(model, quantization, group_size, device, dtype, tokens, max_len)
     else:
         _select_linear_backend(model, linear_backend, device, dtype)
     return model.eval()
 
 
-def quantize_linears(model: nn.Module, quantization: str, group_size: int, device, dtype) -> None:
+def quantize_linears(
+    model: nn.Module,
+    quantization: str,
+    group_size: int,
+    device,
+    dtype,
+    calibration_tokens: int = 0,
+    max_len: int = 256,
+) -> None:
     from pdserve.kernels.linear import available
     from pdserve.models.packed_linear import replace_linears
     from pdserve.models.quant_linear import Int4Linear, Int8Linear
@@ -180,6 +197,10 @@ def quantize_linears(model: nn.Module, quantization: str, group_size: int, devic
     before = sum(p.numel() * p.element_size() for p in model.parameters())
     if quantization == "int8":
         replace_linears(model, lambda w, b: Int8Linear(w, b, native))
+    elif quantization == "int4" and calibration_tokens > 0:
+        from pdserve.models.calibrate import calibrate_int4
+
+        calibrate_int4(model, group_size, native, calibration_tokens, max_len)
     elif quantization == "int4":
         replace_linears(model, lambda w, b: Int4Linear(w, b, native, group_size))
     else:

@@ -1,18 +1,22 @@
 """Weight-only quantized linear layers (`--quantization int8|int4`), quantized at load.
 
 - int8: one scale per output channel, `w ~= q * scale`, q in [-127, 127].
-- int4: groups of `group_size` consecutive input features per output channel, symmetric, one
-  float16 scale per group; the scale maps the group's value of largest magnitude to -8, so all
-  16 levels are used (as llama.cpp's Q4_0 does).
+- int4: groups of `group_size` consecutive input features per output channel, asymmetric, a
+  float16 scale and a float16 minimum per group: `w ~= code * scale + min`, code in 0..15 (as
+  llama.cpp's Q4_1). Rounded to nearest (`quantize_int4`), the scale and minimum are the pair
+  of least squared error among a search around the group's range (`int4_params`, after
+  llama.cpp's make_qkx2_quants); at load the model's own sampled text calibrates them instead
+  (`pdserve.models.calibrate`: error-compensated rounding), which hands the codes in.
 
-Weights are stored unsigned (q + 128, q + 8: the codes) in the layouts `cpu_quant.c` reads.
-The products quantize their activations too, per row in blocks of 32 input features
-(`quantize_activations`: symmetric, 8 bits, a float scale per block), so the kernel multiplies
-bytes with integer dot-product instructions instead of widening every weight to a float. Every
-step runs the native kernel (`pdserve/kernels/cpu_quant.c`); where it cannot be built the layer
-computes the same arithmetic in torch (quantized activations against the dequantized weight in
-an `F.linear`): the same numbers but for the order of float sums, slower (startup logs a
-warning saying so). These functions are also the reference the kernel's tests compare against.
+Weights are stored unsigned (q + 128 for int8; int4's codes as they are) in the layouts
+`cpu_quant.c` reads. The products quantize their activations too, per row in blocks of 32
+input features (`quantize_activations`: symmetric, 8 bits, a float scale per block), so the
+kernel multiplies bytes with integer dot-product instructions instead of widening every weight
+to a float. Every step runs the native kernel (`pdserve/kernels/cpu_quant.c`); where it cannot
+be built the layer computes the same arithmetic in torch (quantized activations against the
+dequantized weight in an `F.linear`): the same numbers but for the order of float sums, slower
+(startup logs a warning saying so). These functions are also the reference the kernel's tests
+compare against.
 """
 
 from __future__ import annotations
@@ -74,34 +78,104 @@ def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, n: int, k: int) ->
     return (_from_panels(u, n).float() - 128.0)[:, :k] * scale[:n, None]
 
 
-def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed codes [Np / 64, Kp / 8, 4, 16, 4] uint8, scales [Np / 64, groups, 4, 16]
-    float16); Kp is K rounded up to whole groups (padded with zeros). The codes are rounded
-    against the half-precision scale the kernel reads."""
+def _half(t: torch.Tensor) -> torch.Tensor:
+    return t.half().float()
+
+
+def int4_params(
+    g: torch.Tensor, weight: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, min) [..., 1] as float32 values of float16s for groups g[..., G]: among the
+    plain range (max - min) / 15 and 21 least-squares fits of the codes a stretched range gives
+    (llama.cpp's make_qkx2_quants: 15 - 1 .. 15 + 1 steps over the range), the pair whose codes
+    give the least squared error, weighted per input by `weight` [..., G] (None: equally)."""
+    g = g.float()
+    wt = torch.ones_like(g) if weight is None else weight.float().expand_as(g)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    width = hi - lo
+
+    def error(scale, low):
+        scale, low = _half(scale), _half(low)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group
+        r = torch.round((g - low) / scale).clamp(0, 15) * scale + low
+        return scale, low, ((r - g).square() * wt).sum(-1, keepdim=True)
+
+    best_s, best_m, best_e = error(width / 15, lo)
+    sw, sx = wt.sum(-1, keepdim=True), (wt * g).sum(-1, keepdim=True)
+    for i in range(21):
+        codes = torch.round((g - lo) * ((14 + 0.1 * i) / width.clamp(min=1e-30))).clamp(0, 15)
+        sq, sqq = (wt * codes).sum(-1, keepdim=True), (wt * codes * codes).sum(-1, keepdim=True)
+        sqx = (wt * codes * g).sum(-1, keepdim=True)
+        det = sw * sqq - sq * sq
+        ok = det > 0
+        det = torch.where(ok, det, torch.ones_like(det))
+        scale = torch.where(ok, (sw * sqx - sq * sx) / det, width / 15)
+        low = torch.where(ok, (sqq * sx - sq * sqx) / det, lo)
+        scale, low, e = error(scale, low)
+        better = e < best_e
+        best_s = torch.where(better, scale, best_s)
+        best_m = torch.where(better, low, best_m)
+        best_e = torch.where(better, e, best_e)
+    return best_s, best_m
+
+
+def int4_codes(g: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The nearest codes 0..15 of g for `scale` and `low` (broadcast against g)."""
+    return torch.round((g - low) / scale).clamp(0, 15)
+
+
+def _check_group(group_size: int) -> None:
     if group_size not in GROUP_SIZES:
         raise ValueError(f"invalid group size {group_size}: choose one of {GROUP_SIZES}")
+
+
+def _check_range(w: torch.Tensor) -> None:
+    if w.abs().max() > 60000:
+        raise ValueError("weights too large for int4's float16 scales and minima (|w| > 60,000)")
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group rounded to nearest with `int4_params`'s scale and minimum; packed as
+    `pack_int4` does. Kp is K rounded up to whole groups; the padding takes no part in the
+    search."""
+    _check_group(group_size)
     w = w.detach().float()
+    _check_range(w)
     n, k = w.shape
     groups = -(-k // group_size)
     g = F.pad(w, (0, groups * group_size - k)).view(n, groups, group_size)
-    extreme = g.gather(-1, g.abs().argmax(dim=-1, keepdim=True))  # signed value of largest |w|
-    if extreme.abs().max() / 8 > torch.finfo(torch.float16).max:
-        raise ValueError("weights too large for int4's float16 scales (|w| > 524,000)")
-    scale = (extreme / -8.0).squeeze(-1).half()
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    u = (torch.round(g / scale[..., None].float()).clamp(-8, 7) + 8).to(torch.uint8).view(n, -1)
-    u = _to_panels(u, fill=8)  # [P, Kp, 16]; padded channels hold zeros (code 8)
+    real = (torch.arange(groups * group_size) < k).view(groups, group_size).float()
+    # the padding: weight 0 in the search, and the group's own values for its range
+    g = torch.where(real.bool(), g, g[..., :1])
+    scale, low = torch.empty(n, groups, 1), torch.empty(n, groups, 1)
+    for r in range(0, n, 256):  # rows a few at a time: the search's temporaries stay in cache
+        scale[r : r + 256], low[r : r + 256] = int4_params(g[r : r + 256], real)
+    codes = int4_codes(g, scale, low).view(n, -1)
+    return pack_int4(codes, scale.squeeze(-1), low.squeeze(-1))
+
+
+def pack_int4(
+    codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [N, Kp] (0..15), scale and low [N, groups] -> (packed codes [Np / 64, Kp / 8, 4,
+    16, 4] uint8, scales [Np / 64, groups, 2, 4, 16] float16: per group the 4 panels' scales,
+    then their minima)."""
+    u = _to_panels(codes.to(torch.uint8), fill=0)  # [P, Kp, 16]; padded channels: zeros
     octets = u.unflatten(1, (-1, 2, 4)).permute(0, 1, 4, 3, 2)  # [P, Kp / 8, 16, 4, half]
     packed = octets[..., 0] | (octets[..., 1] << 4)
-    return _interleave(packed), _interleave(_to_panels(scale, fill=1.0))
+    s = _interleave(_to_panels(scale.half(), fill=1.0))  # [Np / 64, groups, 4, 16]
+    m = _interleave(_to_panels(low.half(), fill=0.0))
+    return _interleave(packed), torch.stack([s, m], dim=2).contiguous()
 
 
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, n: int, k: int, group_size: int):
-    packed, scale = _deinterleave(packed), _deinterleave(scale)
+    packed = _deinterleave(packed)
     octets = torch.stack([packed & 15, packed >> 4], dim=-1)  # [P, Kp / 8, 16, 4, half]
     codes = octets.permute(0, 1, 4, 3, 2).flatten(1, 3)  # [P, Kp, 16]
-    values = _from_panels(codes, n).float() - 8.0
-    return (values * _from_panels(scale, n).float().repeat_interleave(group_size, dim=1))[:, :k]
+    values = _from_panels(codes, n).float()
+    s, m = (_from_panels(_deinterleave(scale[:, :, i]), n).float() for i in (0, 1))
+    w = values * s.repeat_interleave(group_size, 1) + m.repeat_interleave(group_size, 1)
+    return w[:, :k]
 
 
 class _QuantLinear(nn.Module):
@@ -150,12 +224,20 @@ class Int8Linear(_QuantLinear):
 
 
 class Int4Linear(_QuantLinear):
-    """int4 weights in groups along the input features, a scale per group."""
+    """int4 weights in groups along the input features, a scale and a minimum per group.
+    `quantized`: (codes [N, Kp], scale, low [N, groups]) chosen elsewhere (the calibration);
+    None: `quantize_int4` rounds `weight` to nearest."""
 
-    def __init__(self, weight, bias=None, native: bool = True, group_size: int = 32) -> None:
+    def __init__(
+        self, weight, bias=None, native: bool = True, group_size: int = 32, quantized=None
+    ) -> None:
         super().__init__(weight, bias, native)
         self.group_size = group_size
-        self.q, self.scale = quantize_int4(weight, group_size)
+        if quantized is None:
+            self.q, self.scale = quantize_int4(weight, group_size)
+        else:
+            _check_group(group_size)
+            self.q, self.scale = pack_int4(*quantized)
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.out_features, self.in_features

@@ -31,12 +31,16 @@ def tier_fingerprint(core, weights: str = "") -> bytes:
     """Everything that decides a block's bytes apart from its tokens (see `kv/offload/entry`)."""
     a = core.args
     layout = layout_of(core)
+    quant = f"quantization={a.quantization}/{a.quantization_group_size}"
+    if a.quantization == "int4":  # the weights' rounding: calibrated (whole model) or nearest
+        calibrated = a.quantization_calibration_tokens if a.tensor_parallel_size == 1 else 0
+        quant += f"/minima/calibration={calibrated}"
     return fingerprint(
         "pdserve-kv-tier-1",
         repr(sorted((k, getattr(layout, k)) for k in layout.__struct_fields__)),
         f"row={core.runner.kv_row_width}",
         f"dtype={core.runner.dtype}",
-        f"quantization={a.quantization}/{a.quantization_group_size}",
+        quant,
         # a split engine's payload is every rank's rows, rank by rank: another layout
         *([f"tp={a.tensor_parallel_size}"] if a.tensor_parallel_size > 1 else []),
         weights,

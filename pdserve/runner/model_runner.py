@@ -83,6 +83,7 @@ class ModelRunner:
         enforce_eager: bool = False,
         quantization: str = "none",
         group_size: int = 32,
+        calibration_tokens: int = 0,
         kv_cache_dtype: str = "auto",
         draft_model: str | None = None,
         draft_layers: int | None = None,
@@ -117,6 +118,7 @@ class ModelRunner:
             quantization=quantization,
             group_size=group_size,
             tp=(0, tensor_parallel_size),
+            calibration_tokens=calibration_tokens,
         )
         self.matmul_bytes_per_param = quantized_bytes_per_param(self.model)
         if self.tp is not None:
@@ -131,7 +133,8 @@ class ModelRunner:
         self.draft_model = self.draft_config = None
         if draft_model is not None:
             self.draft_config = self._load_draft(draft_model, linear_backend, attention_backend,
-                                                 enforce_eager, quantization, group_size)  # fmt: skip
+                                                 enforce_eager, quantization, group_size,
+                                                 calibration_tokens)  # fmt: skip
         self._use_fused_decode(enforce_eager, tensor_parallel_size)
         self.num_blocks = self._num_blocks(cache_config)
         shape = (
@@ -162,7 +165,8 @@ class ModelRunner:
         if self.drafter is not None:
             logger.info("speculative decoding: the draft is %s", self.drafter.name)
 
-    def _load_draft(self, path, linear_backend, attention_backend, enforce_eager, quant, group):
+    def _load_draft(self, path, linear_backend, attention_backend, enforce_eager, quant, group,
+                    calibration_tokens=0):  # fmt: skip
         cfg = ModelConfig.from_pretrained(path)
         if cfg.vocab_size != self.config.vocab_size:
             raise ValueError(
@@ -171,7 +175,8 @@ class ModelRunner:
             )
         self.draft_model = load_model(cfg, self.device, self.dtype, self.max_model_len,
                                       linear_backend, make_backend(attention_backend, self.device,
-                                      self.dtype), quant, group)  # fmt: skip
+                                      self.dtype), quant, group,
+                                      calibration_tokens=calibration_tokens)  # fmt: skip
         self.draft_model.fused_decode = None
         if not enforce_eager:
             self.draft_model.fused_decode, _ = FusedDecode.build(self.draft_model)

@@ -95,7 +95,9 @@ def test_what_the_split_cannot_take_is_refused(stories_path, kw, match):
         LLM(stories_path, **kw)
 
 
-QUANT_BOUNDS = {"int8": 0.01, "int4": 0.25}  # test_quantization.py's, for one rank
+# test_quantization.py's for one rank: int8's, and int4's rounded to nearest (a shard cannot be
+# calibrated: that needs the whole model)
+QUANT_BOUNDS = {"int8": 0.01, "int4": 0.12}
 
 
 def _perplexity(llm, text: str) -> float:
@@ -106,15 +108,15 @@ def _perplexity(llm, text: str) -> float:
 
 @pytest.mark.parametrize("quant", ["int8", pytest.param("int4", marks=pytest.mark.slow)])
 def test_quantized_shards(stories_path, held_out_stories, quant):
-    """Each rank quantizes its own shard at load. The row-split projections (o_proj, down_proj)
+    """Each rank quantizes its own shard at load (int4: rounded to nearest, as one rank does
+    with `quantization_calibration_tokens=0`). The row-split projections (o_proj, down_proj)
     then round their activations and scale their weights over half a row, so the numbers are
-    not one rank's: measured, the first greedy token that differs from one rank's is 52 (int8)
-    and 25 (int4) of 64. The bounds: the same first 16 greedy tokens, and perplexity within
-    the single-rank quantization tests' bounds of float32 (int8 1%, int4 25%)."""
+    not one rank's. The bounds: the same first 16 greedy tokens, and perplexity within the
+    single-rank quantization tests' bounds of float32 (int8 1%, int4 rounded to nearest 12%)."""
     prompt = "Once upon a time, there was a little"
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     float_ppl = [_perplexity(LLM(stories_path), t) for t in held_out_stories]
-    one = LLM(stories_path, quantization=quant)
+    one = LLM(stories_path, quantization=quant, quantization_calibration_tokens=0)
     want = one.generate([prompt], params)[0].outputs[0].token_ids
     llm = LLM(stories_path, quantization=quant, tensor_parallel_size=2)
     try:

@@ -64,6 +64,7 @@ SAMPLES = {
         speculative_adaptive=False,
         quantization="int8",
         quantization_group_size=128,
+        quantization_calibration_tokens=1024,
         kv_cache_dtype="int8",
         kv_offload=("cpu:1GiB", "disk:/var/kv:8GiB"),
         kv_offload_reload="always",
@@ -274,6 +275,10 @@ def test_enum_settings_take_their_choices_from_the_enum():
         ({"attention_backend": "flash"}, "must be one of auto, native, sdpa"),
         ({"quantization": "fp8"}, "must be one of none, int8, int4"),
         ({"quantization_group_size": 48}, "must be one of 32, 64, 128"),
+        (
+            {"quantization_calibration_tokens": -1},
+            "quantization_calibration_tokens=-1: must be >= 0",
+        ),
         ({"kv_cache_dtype": "fp8"}, "must be one of auto, int8"),
         ({"kv_offload": ("gpu:1GiB",)}, "must be cpu:SIZE, disk:PATH:SIZE or both"),
         ({"kv_offload_reload": "never"}, "must be one of auto, always"),
