@@ -120,6 +120,9 @@ class LlamaForCausalLM(nn.Module):
         # Set by the runner where it can run (`pdserve.models.fused_decode`): decode-only steps
         # then take one native call per layer instead of the modules.
         self.fused_decode = None
+        # Set by layer hooks that only some steps need (`ModelRunner.add_layer_hook`): a step
+        # for which it returns True runs layer by layer, so that the hooks fire.
+        self.layer_hooks_wanted = None
         # Rank 0 of a tensor-parallel group: hands each forward's inputs to the other ranks.
         self.tp_leader = None
 
@@ -134,7 +137,8 @@ class LlamaForCausalLM(nn.Module):
         if self.tp_leader is not None:
             self.tp_leader(input_ids, positions, meta, len(kv_caches))  # fewer: a draft
         x = self.embed_tokens(input_ids)
-        if self.fused_decode is not None and not meta.prefills:
+        hooked = self.layer_hooks_wanted is not None and self.layer_hooks_wanted()
+        if self.fused_decode is not None and not meta.prefills and not hooked:
             return self.norm(self.fused_decode(x, positions, kv_caches, meta))
         cos_sin = self.rope.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):

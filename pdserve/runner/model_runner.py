@@ -8,6 +8,7 @@ only for the rows that sample, and samples them: one host sync per step for the 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -258,10 +259,15 @@ class ModelRunner:
         # More blocks than every sequence of max length could use is wasted memory.
         return int(n)
 
-    def add_layer_hook(self, fn) -> None:
+    def add_layer_hook(self, fn, wanted: Callable[[], bool] | None = None) -> None:
         """Call `fn(layer_index)` after each decoder layer's forward (its KV is then written).
-        Every step then runs layer by layer (the fused decode step has no layer modules)."""
-        self.model.fused_decode = None
+        A step that needs them runs layer by layer (the fused decode step has no layer
+        modules): every step, or with `wanted` only those for which it says so when their
+        forward starts (a KV sender: steps that computed rows to ship)."""
+        if wanted is None:
+            self.model.fused_decode = None
+        else:
+            self.model.layer_hooks_wanted = wanted
         for i, layer in enumerate(self.model.layers):
             layer.register_forward_hook(lambda _m, _i, _o, i=i: fn(i))
 

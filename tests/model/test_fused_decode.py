@@ -108,6 +108,33 @@ def test_enforce_eager_and_layer_hooks_turn_it_off_and_tokens_do_not_change(tiny
     assert fused.engine.core.runner.model.fused_decode is None
 
 
+def test_hooks_that_only_some_steps_want_keep_the_fused_step_for_the_rest(tiny_models):
+    """A KV sender's hooks are wanted only by steps with rows to ship: other decode-only steps
+    stay fused (the hooks do not fire there), and the tokens are those of the modules."""
+    prompts = [[5, 6, 7, 8, 9] * 6, [10, 11, 12], list(range(20, 60))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [False]
+    fired: list[int] = []
+    llm = LLM(tiny_models["llama"])
+    fused_calls = []
+    model = llm.engine.core.runner.model
+    fused = model.fused_decode
+    model.fused_decode = lambda *a: fused_calls.append(1) or fused(*a)
+    llm.engine.core.runner.add_layer_hook(fired.append, wanted=lambda: want[0])
+    assert model.fused_decode is not None
+    out = llm.generate(prompts, params)
+    eager = LLM(tiny_models["llama"], enforce_eager=True).generate(prompts, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in eager]
+    num_layers = len(model.layers)
+    # hooks fired in the prefill steps only, every layer; decode steps were fused
+    assert fused_calls and fired and len(fired) % num_layers == 0
+    fired.clear()
+    fused_calls.clear()
+    want[0] = True  # now every step wants them: none is fused, every layer fires
+    llm.generate(prompts, params)
+    assert not fused_calls and len(fired) >= 24 * num_layers
+
+
 def test_a_custom_attention_backend_keeps_the_modules(tiny_models):
     llm = LLM(tiny_models["llama"], attention_backend="sdpa")
     assert llm.engine.core.runner.model.fused_decode is None

@@ -288,7 +288,9 @@ class SendingConnector(KVConnector):
             self.worker_id, runner.kv_caches, runner.block_size, layout_of(core), self.key
         )
         if runner.tp is None:
-            runner.add_layer_hook(self.sender.on_layer)
+            # decode-only steps ship nothing (a sent request leaves at its first token), so
+            # they keep the fused decode step; a step with rows to ship runs the layers
+            runner.add_layer_hook(self.sender.on_layer, wanted=lambda: bool(self.sender.step_jobs))
         else:  # the followers' heads come to rank 0 after the forward (one collective a step)
             self.gather = functools.partial(runner.tp.gather_rows, runner.kv_caches)
 
