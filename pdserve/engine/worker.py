@@ -301,9 +301,16 @@ class Worker:
 
 
 def pin_cpus(cpus: str) -> int:
-    """Restrict this process to a CPU set ("0", "0-3", "0,2"); returns its size."""
+    """Restrict this process to a CPU set ("0", "0-3", "0,2"); returns its size.
+
+    torch (and so its OpenMP runtime) is loaded first: the runtime counts the CPUs it may use
+    when it loads, and with more threads than that count its idle threads sleep at once instead
+    of spinning briefly, which made every parallel region of a worker that later grows onto a
+    parked worker's CPUs (`SetCPUs`) wait for them to wake: 15% slower decode steps."""
+    import torch  # noqa: F401
+
     ids = parse_cpu_set(cpus)
-    os.sched_setaffinity(0, ids)
+    run_on(ids)
     return len(ids)
 
 
