@@ -11,8 +11,8 @@ minute: the faster of a sample just before and one just after, as this machine's
 by up to 1.7x from one minute to the next),
 decode at batch 8 and 32, and one 512-token prefill. References in the same run: Hugging Face
 `generate` at batch 1 and, with `--llama-cpp DIR` (a llama.cpp source tree with `build/bin/
-llama-bench` and `llama-quantize` built), llama.cpp on the same weights converted to F32, Q8_0 and
-Q4_0 GGUF files (`lib/gguf_convert.py`, which runs llama.cpp's `convert_hf_to_gguf.py`, then
+llama-bench` and `llama-quantize` built), llama.cpp on the same weights converted to F32, Q8_0,
+Q4_0 and Q4_1 GGUF files (`lib/gguf_convert.py`, which runs llama.cpp's `convert_hf_to_gguf.py`, then
 `llama-quantize`): `llama-bench` token generation of 128 tokens after a 128-token context and
 prompt processing of 512 tokens, on the same threads.
 Every in-process measurement waits for a quiet CPU and is retried when disturbed.
@@ -59,8 +59,10 @@ CONFIGS = {
     "int4 weights (g32)": dict(quantization="int4"),
     "int8 weights + int8 KV": dict(quantization="int8", kv_cache_dtype="int8"),
 }
+# Q4_1 stores what pdserve's int4 stores (a float16 scale and minimum per 32 weights); Q4_0
+# (a scale only) is 10% smaller
 GGUF_TYPES = {"F32": "float32, fused decode (default)", "Q8_0": "int8 weights",
-              "Q4_0": "int4 weights (g32)"}  # fmt: skip
+              "Q4_0": "int4 weights (g32)", "Q4_1": "int4 weights (g32)"}  # fmt: skip
 
 
 def measure_engine(model_dir: Path, threads: int, quiet: Quiet) -> dict:
@@ -103,7 +105,8 @@ def measure_engine(model_dir: Path, threads: int, quiet: Quiet) -> dict:
 
 
 def gguf_files(llama_cpp: Path, model_dir: Path) -> dict[str, Path]:
-    """The model as F32, Q8_0 and Q4_0 GGUF files (converted once, kept next to the model)."""
+    """The model as F32, Q8_0, Q4_0 and Q4_1 GGUF files (converted once, kept next to the
+    model)."""
     out = {t: model_dir.parent / f"{model_dir.name}-{t.lower()}.gguf" for t in GGUF_TYPES}
     if not out["F32"].exists():
         subprocess.run(
@@ -111,7 +114,7 @@ def gguf_files(llama_cpp: Path, model_dir: Path) -> dict[str, Path]:
              str(llama_cpp), str(model_dir), str(out["F32"])],
             check=True,
         )  # fmt: skip
-    for t in ("Q8_0", "Q4_0"):
+    for t in (t for t in GGUF_TYPES if t != "F32"):
         if not out[t].exists():
             quantize = llama_cpp / "build" / "bin" / "llama-quantize"
             subprocess.run([str(quantize), str(out["F32"]), str(out[t]), t], check=True)
@@ -139,8 +142,8 @@ def llama_bench(llama_cpp: Path, gguf: Path, threads: int) -> dict:
 def head_to_head(
     model_dir: Path, llama_cpp: Path | None, threads: int, rounds: int, precision: str = "F32"
 ) -> dict:
-    """Batch-1 decode of the engine at `precision` (F32: the default float32 engine; Q8_0 and
-    Q4_0: int8 and int4 weights) and llama.cpp's GGUF of that type, where given, alternated
+    """Batch-1 decode of the engine at `precision` (F32: the default float32 engine; Q8_0:
+    int8 weights; Q4_0 and Q4_1: int4 weights) and llama.cpp's GGUF of that type, where given, alternated
     `rounds` times, a bandwidth sample before and after each, so that every figure has the
     roofline of its own minute: this machine's read bandwidth moves by up to 2x between minutes,
     more than the kernels differ."""
@@ -233,7 +236,7 @@ def main() -> int:
                    help="only alternate batch-1 decode with llama.cpp's, ROUNDS times")  # fmt: skip
     p.add_argument("--precision", choices=tuple(GGUF_TYPES), default="F32",
                    help="the head to head's precision: F32 (float32), Q8_0 (pdserve int8), "
-                   "Q4_0 (pdserve int4, groups of 32)")  # fmt: skip
+                   "Q4_0 or Q4_1 (pdserve int4, groups of 32; Q4_1 is its format)")  # fmt: skip
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = make_model(args.model_dir or Path("/tmp/pdbench/llama-125m"))
