@@ -342,7 +342,9 @@ def print_tables(res: dict) -> None:
             + " |"
         )
         print(
-            f"| {name} goodput | " + " | ".join(f"{c['auto_goodput']:.3f}" for c in cmp.values()) + " |"
+            f"| {name} goodput | "
+            + " | ".join(f"{c['auto_goodput']:.3f}" for c in cmp.values())
+            + " |"
         )
     for e in entries:
         tl = e.get("timeline")
