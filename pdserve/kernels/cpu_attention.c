@@ -11,9 +11,10 @@
  * Work: one task per (sequence, KV head), spread over torch's OpenMP threads. Per task and query
  * head (G of them share the KV head): its scores against every key, an exact softmax (max, exp,
  * sum), then the weighted sum of the values, all in float32. Where the head dimension is a
- * multiple of 16 up to 128, the query and the output accumulator of a head stay in registers
- * (one variant per head size) and the exponentials are vectorized; the G heads re-read the
- * task's rows from the cache (L1/L2), never from memory twice. Other head sizes take a plain
+ * multiple of the vector width (vec.h's V) up to 128 (64 with 4-float vectors), the query and
+ * the output accumulator of a head are vectors (one variant per head size; in registers up to
+ * 8 vectors each) and the exponentials are vectorized; the G heads re-read the task's rows from
+ * the cache (L1/L2), never from memory twice. Other head sizes take a plain
  * loop.
  */
 #include <math.h>
@@ -22,6 +23,9 @@
 
 #include "kernels.h"
 #include "vec.h"
+
+/* Head sizes up to NV_MAX vectors take task_vec. */
+#define NV_MAX (V >= 8 ? 128 / V : 16)
 
 /* a . row over d values, the row float32 or int8 (then unscaled). */
 static inline float dot_f(const float *a, const float *b, int64_t d) {
@@ -97,14 +101,14 @@ static inline void softmax(float *sc, int64_t len) {
     for (l = 0; l < len; l++) sc[l] *= inv;
 }
 
-/* One (sequence, KV head) task for head_dim = 16 * NV: each of the G query heads in turn. */
+/* One (sequence, KV head) task for head_dim = V * NV: each of the G query heads in turn. */
 static inline __attribute__((always_inline)) void task_vec(
     const float *qs, float *os, int64_t g, int64_t d, const void *k_cache, const void *v_cache,
     int kv_int8, const int64_t *sl, int64_t len, int64_t hkv, int64_t h, float scale,
     float *sc, const int NV) {
     const int64_t width = kv_int8 ? d + 4 : d;
     for (int64_t j = 0; j < g; j++) {
-        vf q[8], acc[8];
+        vf q[NV_MAX], acc[NV_MAX];
         for (int c = 0; c < NV; c++) q[c] = load_f(qs + j * d + c * V) * scale;
         for (int64_t l = 0; l < len; l++) {
             const int64_t row = (sl[l] * hkv + h) * width;
@@ -199,7 +203,7 @@ int pd_decode_attention(const float *q, int64_t q_stride, int64_t nd, int64_t hq
             const float *qs = q + s * q_stride + h * g * d;
             float *os = out + (s * hq + h * g) * d;
             const int64_t *sl = slots + s * slots_stride;
-            const int nv = d % V == 0 && d <= 8 * V ? (int)(d / V) : 0;
+            const int nv = d % V == 0 && d <= NV_MAX * V ? (int)(d / V) : 0;
 #define TASK(n) task_vec(qs, os, g, d, k_cache, v_cache, kv_int8, sl, len, hkv, h, scale, scores, n)
             switch (nv) {
             case 1: TASK(1); break;
@@ -210,6 +214,16 @@ int pd_decode_attention(const float *q, int64_t q_stride, int64_t nd, int64_t hq
             case 6: TASK(6); break;
             case 7: TASK(7); break;
             case 8: TASK(8); break;
+#if NV_MAX > 8
+            case 9: TASK(9); break;
+            case 10: TASK(10); break;
+            case 11: TASK(11); break;
+            case 12: TASK(12); break;
+            case 13: TASK(13); break;
+            case 14: TASK(14); break;
+            case 15: TASK(15); break;
+            case 16: TASK(16); break;
+#endif
             default:
                 task_any(qs, os, g, d, k_cache, v_cache, kv_int8, sl, len, hkv, h, scale, scores);
             }

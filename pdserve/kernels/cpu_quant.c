@@ -7,8 +7,10 @@
  * fraction of the read bandwidth. So the activations are quantized too, per row in blocks of 32
  * input features (a scale each, symmetric, 8 bits: the error of llama.cpp's Q8_0), and the
  * products are integer dot products of 4 bytes: `vpdpbusd` (AVX-512 VNNI: 64 multiply-adds per
- * instruction) where the CPU has it, the same integer arithmetic in portable vector code where
- * it does not (both give the same integers). Per block b of 32 inputs and output channel n:
+ * instruction) where the CPU has it, `vpmaddubsw` + `vpmaddwd` (AVX2: pairs of byte products
+ * to 16 bits, then pairs of those to 32) where it has AVX2 only, the same integer arithmetic
+ * in portable vector code elsewhere (all give the same integers). Per block b of 32 inputs
+ * and output channel n:
  *   int8: y[m, n] += sx[m, b] * sw[n] * (sum_k code[n, k] * xq[m, k] - 128 * sum_k xq[m, k])
  *   int4: y[m, n] += sx[m, b] * (sw[n, g] * sum_k code[n, k] * xq[m, k]
  *                                + mw[n, g] * sum_k xq[m, k])
@@ -28,8 +30,8 @@
  *         nibble = code of W[n, 8c + 4 + t] for n = 16(PANELS B + p) + j; scales and minima as
  *         IEEE half floats (as Q4_1's: 4 bytes per group, a fifth of what a group of 32 reads
  *         in all), laid out [block][group][scale, minimum][panel][16].
- * So one 64-byte load gives each of 16 lanes the 4 consecutive bytes `vpdpbusd` multiplies by
- * one broadcast quad of activations.
+ * So one 64-byte load (two of 32 bytes with AVX2) gives each of 16 lanes the 4 consecutive bytes
+ * `vpdpbusd` multiplies by one broadcast quad of activations.
  */
 #include <math.h>
 #include <omp.h>
@@ -47,11 +49,13 @@
  * on a busy one; dynamic was 10-30% slower on a quiet one). */
 #define PD_SCHEDULE guided
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PD_VNNI 1
+#elif defined(__AVX2__)
+#define PD_AVX2_DOT 1
 #endif
 
 /* acc + the dot products of each lane's 4 unsigned bytes of w with the 4 signed bytes of x4. */
@@ -66,12 +70,46 @@ static inline vi dot4(vi acc, vi w, int32_t x4) {
 #endif
 }
 
+#ifdef PD_AVX2_DOT
+/* AVX2 has no 4-byte dot product: `vpmaddubsw` multiplies unsigned bytes by signed ones and adds
+ * adjacent pairs into 16 bits (saturating), `vpmaddwd` by ones adds adjacent pairs of those into
+ * each 32-bit lane: the same 4-byte sums per lane as `vpdpbusd`, as long as no pair passes
+ * 32767. */
+static inline vi pairs(__m256i u, __m256i s) {
+    return (vi)_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+/* dot4 for int4's codes (0..15): a pair is at most 2 x 15 x 127, far from saturating. */
+static inline vi dot4_small(vi acc, vi w, int32_t x4) {
+    return acc + pairs((__m256i)w, _mm256_set1_epi32(x4));
+}
+
+/* For int8's codes (w + 128, up to 255) a pair could reach 2 x 255 x 127 and saturate, so this
+ * computes the dot product of the centred weights (w, in -127..127) instead: |x| times w with
+ * x's sign, each pair at most 2 x 127 x 127. It leaves out the code offset's share,
+ * 128 x sum x, which the int8 kernel then does not subtract (INT8_OFFSET). */
+static inline vi dot4_centred(vi acc, vi w, int32_t x4) {
+    const __m256i x = _mm256_set1_epi32(x4);
+    const __m256i centred = _mm256_xor_si256((__m256i)w, _mm256_set1_epi8((char)0x80));
+    return acc + pairs(_mm256_abs_epi8(x), _mm256_sign_epi8(centred, x));
+}
+#define INT8_OFFSET 0
+#else
+#define dot4_small dot4
+#define dot4_centred dot4
+#define INT8_OFFSET 128 /* dot4 sums code x x: take the offset's 128 x sum x back out */
+#endif
+
 static inline vi load_i(const void *p) { vi v; memcpy(&v, p, sizeof v); return v; }
 
-/* 16 IEEE half floats as floats. */
+/* V IEEE half floats as floats. */
 #if defined(__AVX512F__)
 static inline vf load_half(const uint16_t *p) {
     return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+#elif defined(__F16C__) && V == 8
+static inline vf load_half(const uint16_t *p) {
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 #else
 static inline float half_f(uint16_t h) {
@@ -135,6 +173,37 @@ static inline float quantize_block(const float *x, int64_t n, int8_t *q, int32_t
         *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(ia, ib));
         return amax / 127.f;
     }
+#elif defined(__AVX2__)
+    if (n == QB) {
+        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + 8 * i);
+            m = _mm256_max_ps(m, _mm256_and_ps(v[i], absmask));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        float amax = _mm_cvtss_f32(m4);
+        __m256 inv = _mm256_set1_ps(amax > 0 ? 127.f / amax : 0.f), lim = _mm256_set1_ps(127.f);
+        __m256i iv[4], s8 = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {  /* as the AVX-512 path: clamp, then round half to even */
+            __m256 r = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[i], inv), -lim), lim);
+            iv[i] = _mm256_cvtps_epi32(r);
+            s8 = _mm256_add_epi32(s8, iv[i]);
+        }
+        /* 32 int32 in -127..127 to bytes: the packs work within 128-bit lanes, so the result's
+         * 4-byte groups come out in the order 0 2 4 6 1 3 5 7, which the permute undoes */
+        __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]),
+                                       _mm256_packs_epi32(iv[2], iv[3]));
+        b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)q, b);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        *sum = _mm_cvtsi128_si32(s4);
+        return amax / 127.f;
+    }
 #endif
     float amax = 0;
     for (int64_t k = 0; k < n; k++) amax = fmaxf(amax, fabsf(x[k]));
@@ -174,7 +243,8 @@ static int quantize_acts(const float *x, int64_t M, int64_t K, int64_t Kp, int32
 static void free_acts(acts_t *a) { free(a->mem); }
 
 /* Rows m0 .. m0 + mr against panels p0 .. p0 + np of int4 weights (G inputs per scale and
- * minimum). */
+ * minimum). Index j of the vectors is panel j / VP, lanes V (j % VP) ..: a panel's 16 lanes in
+ * VP vectors. */
 static inline __attribute__((always_inline)) void int4_tile(
     const acts_t *a, int64_t G, const uint8_t *q, const uint16_t *scale, int64_t p0, int64_t N,
     float *y, int64_t m0, const int mr, const int np) {
@@ -182,45 +252,46 @@ static inline __attribute__((always_inline)) void int4_tile(
     const int64_t h = p0 % PANELS;  /* the tile's first panel within its block */
     const int64_t per_group = G / QB;
     const uint8_t *qp = q + (p0 - h) * octets * 64 + h * 64;
-    const uint16_t *sp = scale + (p0 - h) * groups * 2 * V + h * V;
-    vf acc[MR][PANELS];
+    const uint16_t *sp = scale + (p0 - h) * groups * 2 * PW + h * PW;
+    vf acc[MR][PANELS * VP];
     for (int i = 0; i < mr; i++)
-        for (int p = 0; p < np; p++) acc[i][p] = (vf){0};
+        for (int j = 0; j < np * VP; j++) acc[i][j] = (vf){0};
     for (int64_t g = 0; g < groups; g++) {
-        vf sw[PANELS], mw[PANELS];
-        for (int p = 0; p < np; p++) {
-            sw[p] = load_half(sp + (g * 2 * PANELS + p) * V);
-            mw[p] = load_half(sp + ((g * 2 + 1) * PANELS + p) * V);
+        vf sw[PANELS * VP], mw[PANELS * VP];
+        for (int j = 0; j < np * VP; j++) {
+            sw[j] = load_half(sp + (g * 2 * PANELS + j / VP) * PW + j % VP * V);
+            mw[j] = load_half(sp + ((g * 2 + 1) * PANELS + j / VP) * PW + j % VP * V);
         }
         for (int64_t b = g * per_group; b < (g + 1) * per_group; b++) {
-            vi dot[MR][PANELS];
+            vi dot[MR][PANELS * VP];
             for (int i = 0; i < mr; i++)
-                for (int p = 0; p < np; p++) dot[i][p] = (vi){0};
+                for (int j = 0; j < np * VP; j++) dot[i][j] = (vi){0};
             for (int64_t c = b * (QB / 8); c < (b + 1) * (QB / 8); c++) {
-                vi lo[PANELS], hi[PANELS];
-                for (int p = 0; p < np; p++) {
-                    vi w = load_i(qp + (c * PANELS + p) * 64);
-                    lo[p] = w & 0x0F0F0F0F;
-                    hi[p] = (w >> 4) & 0x0F0F0F0F;
+                vi lo[PANELS * VP], hi[PANELS * VP];
+                for (int j = 0; j < np * VP; j++) {
+                    vi w = load_i(qp + (c * PANELS + j / VP) * 64 + j % VP * 4 * V);
+                    lo[j] = w & 0x0F0F0F0F;
+                    hi[j] = (w >> 4) & 0x0F0F0F0F;
                 }
                 for (int i = 0; i < mr; i++) {
                     const int8_t *xq = a->q + (m0 + i) * Kp + 8 * c;
                     int32_t x0 = quad(xq), x1 = quad(xq + 4);
-                    for (int p = 0; p < np; p++)
-                        dot[i][p] = dot4(dot4(dot[i][p], lo[p], x0), hi[p], x1);
+                    for (int j = 0; j < np * VP; j++)
+                        dot[i][j] = dot4_small(dot4_small(dot[i][j], lo[j], x0), hi[j], x1);
                 }
             }
             for (int i = 0; i < mr; i++) {
                 float sx = a->scale[(m0 + i) * nb + b];
                 vf xsum = splat(sx * (float)a->corr[(m0 + i) * nb + b]);  /* sx * sum_k xq */
-                for (int p = 0; p < np; p++)
-                    acc[i][p] += __builtin_convertvector(dot[i][p], vf) * (sw[p] * sx)
-                                 + mw[p] * xsum;
+                for (int j = 0; j < np * VP; j++)
+                    acc[i][j] += __builtin_convertvector(dot[i][j], vf) * (sw[j] * sx)
+                                 + mw[j] * xsum;
             }
         }
     }
     for (int i = 0; i < mr; i++)
-        for (int p = 0; p < np; p++) store_out(y + (m0 + i) * N, (p0 + p) * V, N, acc[i][p]);
+        for (int j = 0; j < np * VP; j++)
+            store_out(y + (m0 + i) * N, (p0 + j / VP) * PW + j % VP * V, N, acc[i][j]);
 }
 
 /* Rows m0 .. m0 + mr against panels p0 .. p0 + np of int8 weights (a scale per channel). */
@@ -230,49 +301,61 @@ static inline __attribute__((always_inline)) void int8_tile(
     const int64_t Kp = a->kp, nb = a->blocks, quads = Kp / 4;
     const int64_t h = p0 % PANELS;
     const uint8_t *qp = q + (p0 - h) * quads * 64 + h * 64;
-    vf acc[MR][PANELS];
+    vf acc[MR][PANELS * VP];
     for (int i = 0; i < mr; i++)
-        for (int p = 0; p < np; p++) acc[i][p] = (vf){0};
+        for (int j = 0; j < np * VP; j++) acc[i][j] = (vf){0};
     for (int64_t b = 0; b < nb; b++) {
-        vi dot[MR][PANELS];
+        vi dot[MR][PANELS * VP];
         for (int i = 0; i < mr; i++)
-            for (int p = 0; p < np; p++) dot[i][p] = (vi){0};
+            for (int j = 0; j < np * VP; j++) dot[i][j] = (vi){0};
         for (int64_t c = b * (QB / 4); c < (b + 1) * (QB / 4); c++) {
-            vi w[PANELS];
-            for (int p = 0; p < np; p++) w[p] = load_i(qp + (c * PANELS + p) * 64);
+            vi w[PANELS * VP];
+            for (int j = 0; j < np * VP; j++)
+                w[j] = load_i(qp + (c * PANELS + j / VP) * 64 + j % VP * 4 * V);
             for (int i = 0; i < mr; i++) {
                 int32_t x4 = quad(a->q + (m0 + i) * Kp + 4 * c);
-                for (int p = 0; p < np; p++) dot[i][p] = dot4(dot[i][p], w[p], x4);
+                for (int j = 0; j < np * VP; j++) dot[i][j] = dot4_centred(dot[i][j], w[j], x4);
             }
         }
         for (int i = 0; i < mr; i++) {
             vf sx = splat(a->scale[(m0 + i) * nb + b]);
             int32_t corr = a->corr[(m0 + i) * nb + b];
-            for (int p = 0; p < np; p++)
-                acc[i][p] += __builtin_convertvector(dot[i][p] - corr, vf) * sx;
+            for (int j = 0; j < np * VP; j++)
+                acc[i][j] += __builtin_convertvector(dot[i][j] - corr, vf) * sx;
         }
     }
-    for (int p = 0; p < np; p++) {
-        vf s = load_f(scale + (p0 + p) * V);
-        for (int i = 0; i < mr; i++) store_out(y + (m0 + i) * N, (p0 + p) * V, N, acc[i][p] * s);
+    for (int j = 0; j < np * VP; j++) {
+        const int64_t n0 = (p0 + j / VP) * PW + j % VP * V;
+        vf s = load_f(scale + n0);
+        for (int i = 0; i < mr; i++) store_out(y + (m0 + i) * N, n0, N, acc[i][j] * s);
     }
 }
 
-/* A tile for compile-time row and panel counts, so its accumulators stay in registers: all
- * PANELS panels for one or two rows (decode: more streams in flight), two at a time for more
- * rows (accumulators for 4 rows x 4 panels, int and float, would not fit in 32 registers). */
-#define TILES(tile, mr, p0, ...)                                                        \
-    switch (mr) {                                                                       \
-    case 1: tile(__VA_ARGS__, p0, N, y, m0, 1, PANELS); break;                          \
-    case 2: tile(__VA_ARGS__, p0, N, y, m0, 2, PANELS); break;                          \
-    case 3: for (int h2 = 0; h2 < PANELS; h2 += 2) tile(__VA_ARGS__, p0 + h2, N, y, m0, 3, 2); break; \
-    default: for (int h2 = 0; h2 < PANELS; h2 += 2) tile(__VA_ARGS__, p0 + h2, N, y, m0, 4, 2); break; \
+/* A tile for compile-time row and panel counts, so its accumulators stay in registers. With
+ * AVX-512 (one register per panel): all PANELS panels for one or two rows (decode: more streams
+ * in flight), two at a time for more rows (accumulators for 4 rows x 4 panels, int and float,
+ * would not fit in 32 registers). With narrower vectors (two or four registers per panel, 16
+ * registers): two panels for one row, one for more. */
+#if V == 16
+#define TILE_NP(mr) ((mr) <= 2 ? PANELS : 2)
+#else
+#define TILE_NP(mr) ((mr) == 1 ? 4 : (mr) == 2 ? 2 : 1)
+#endif
+#define BLOCK_TILES(tile, mr, p0, ...)                                                  \
+    for (int h2 = 0; h2 < PANELS; h2 += TILE_NP(mr))                                    \
+        tile(__VA_ARGS__, (p0) + h2, N, y, m0, mr, TILE_NP(mr))
+#define TILES(tile, mr, p0, ...)                                    \
+    switch (mr) {                                                   \
+    case 1: BLOCK_TILES(tile, 1, p0, __VA_ARGS__); break;           \
+    case 2: BLOCK_TILES(tile, 2, p0, __VA_ARGS__); break;           \
+    case 3: BLOCK_TILES(tile, 3, p0, __VA_ARGS__); break;           \
+    default: BLOCK_TILES(tile, 4, p0, __VA_ARGS__); break;          \
     }
 
 int pd_int4_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *scale,
                    int64_t N, int64_t G, float *y) {
     if (G % QB != 0 || G > 512) return -2;
-    int64_t Kp = round_up(K, G), blocks = (N + PANELS * V - 1) / (PANELS * V);
+    int64_t Kp = round_up(K, G), blocks = (N + PANELS * PW - 1) / (PANELS * PW);
     acts_t a;
     int rc = quantize_acts(x, M, K, Kp, 1, &a);  /* corr: the plain sum, for the minima */
     if (rc == 0) {
@@ -289,9 +372,9 @@ int pd_int4_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const
 
 int pd_int8_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *scale,
                    int64_t N, float *y) {
-    int64_t Kp = round_up(K, QB), blocks = (N + PANELS * V - 1) / (PANELS * V);
+    int64_t Kp = round_up(K, QB), blocks = (N + PANELS * PW - 1) / (PANELS * PW);
     acts_t a;
-    int rc = quantize_acts(x, M, K, Kp, 128, &a);
+    int rc = quantize_acts(x, M, K, Kp, INT8_OFFSET, &a);
     if (rc == 0) {
 #pragma omp parallel for schedule(PD_SCHEDULE)
         for (int64_t b = 0; b < blocks; b++)

@@ -1,14 +1,27 @@
-/* The vector helpers every kernel shares: 16 floats as one GCC vector (lowered to the widest
- * registers of the CPU built on, -march=native), unaligned loads and stores by memcpy, and the
- * int8 -> float widening spelled with the x86 instructions where the CPU has them (GCC lowers the
- * portable form to scalar code). */
+/* The vector helpers every kernel shares: V floats as one GCC vector, V the floats of one of
+ * the CPU's vector registers (-march=native): 16 with AVX-512, 8 with AVX, 4 elsewhere (SSE,
+ * NEON). GCC keeps a vector type wider than the machine's registers in memory, every
+ * accumulator loaded and stored around each multiply-add (seen on an AVX2 machine: 16-float
+ * vectors made the float32 product 2x slower at one row and 7x at 256), so the kernels compute
+ * in vectors of V floats and walk the 16 lanes of a weight panel (PW, the layouts' width on
+ * every machine) in PW / V of them. Unaligned loads and stores by memcpy, and the int8 -> float
+ * widening spelled with the x86 instructions where the CPU has them (GCC lowers the portable
+ * form to scalar code). */
 #ifndef PD_VEC_H
 #define PD_VEC_H
 
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__AVX512F__)
 #define V 16
+#elif defined(__AVX__)
+#define V 8
+#else
+#define V 4
+#endif
+#define PW 16        /* lanes of a weight panel: output channels per panel in every layout */
+#define VP (PW / V)  /* vectors per panel */
 
 typedef float vf __attribute__((vector_size(4 * V)));
 typedef int32_t vi __attribute__((vector_size(4 * V)));
@@ -29,7 +42,7 @@ static inline void store_out(float *y, int64_t n0, int64_t N, vf v) {
     for (int64_t j = 0; n0 + j < N; j++) y[n0 + j] = v[j];
 }
 
-/* 16 int8 as 16 floats. */
+/* V int8 as V floats. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 static inline vf int8_f(const int8_t *p) {
@@ -37,16 +50,8 @@ static inline vf int8_f(const int8_t *p) {
 }
 #elif defined(__AVX2__)
 #include <immintrin.h>
-static inline vf halves(__m256 lo, __m256 hi) {
-    vf v;
-    memcpy(&v, &lo, sizeof lo);
-    memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
-    return v;
-}
 static inline vf int8_f(const int8_t *p) {
-    __m128i b = _mm_loadu_si128((const __m128i *)p);
-    return halves(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
-                  _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 #else
 static inline vf int8_f(const int8_t *p) {
@@ -57,7 +62,7 @@ static inline vf int8_f(const int8_t *p) {
 }
 #endif
 
-/* The sum of a vector's 16 lanes. */
+/* The sum of a vector's lanes. */
 #if defined(__AVX512F__)
 static inline float hsum(vf v) { return _mm512_reduce_add_ps((__m512)v); }
 #else

@@ -407,6 +407,12 @@ def test_strangers_cannot_keep_the_deployment_out(tcp_receiver, monkeypatch):
         assert _is_closed(late)
         late.close()
         second.close()
+        # its place frees once the receiver has seen it close (a reader thread's EOF: on a slow
+        # machine the forger below could otherwise come first and be refused as one too many)
+        deadline = time.monotonic() + 10
+        while len(recv.stream.conns) > 1:
+            assert time.monotonic() < deadline, "a closed connection kept its place"
+            time.sleep(0.01)
 
         # A message that fails its tag ends its connection at once.
         forger = socket.create_connection(address)

@@ -121,3 +121,57 @@ def test_the_bandwidth_kernel_sums_every_value(n):
     torch.testing.assert_close(torch.tensor(read_sum(x)), x.sum(), rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="float32"):
         read_sum(x.double())
+
+
+@pytest.fixture(params=["-mno-avx512f", "-mno-avx"])
+def narrower_vectors(request, monkeypatch):
+    """The kernels built for narrower vector registers than this CPU may have (8 floats with AVX,
+    4 without: a panel's 16 lanes in 2 or 4 vectors), loaded in place of the native library for
+    one test; a skip where this compiler (not an x86 one) does not know the flag."""
+    import ctypes
+
+    from pdserve.kernels import linear, memory
+
+    try:
+        path = build.build(extra_flags=(request.param,))
+    except build.KernelUnavailable as e:
+        if request.param in str(e) or "unrecognized" in str(e):
+            pytest.skip(f"this compiler cannot build with {request.param}: {e}")
+        raise
+    lib = ctypes.CDLL(str(path))
+    modules = (linear, attn_kernel, memory)
+    for module in modules:
+        monkeypatch.setattr(module, "library", lambda: lib)
+        module._lib.cache_clear()
+    yield request.param
+    for module in modules:
+        module._lib.cache_clear()  # the next test loads the native library again
+
+
+@needs_linear
+def test_narrower_vectors_compute_the_same(narrower_vectors):
+    """The float32 product (tiles of other shapes: 2 or 1 panels per tile), the decode attention
+    (head sizes in more vectors, 128 included) and the bandwidth sum, built for narrower vectors,
+    match torch's own as the native build does."""
+    for n, k in [(100, 64), (172, 8), (2304, 768)]:
+        w, b = randn(n, k) * 0.05, randn(n, seed=2)
+        layer = NativeLinear(w, b)
+        for rows in (1, 2, 3, 7, 13):
+            x = randn(rows, k, seed=1)
+            torch.testing.assert_close(layer(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    lens = torch.tensor([1, 37, 150])
+    for d, hq, hkv in [(64, 12, 4), (128, 8, 2), (8, 4, 4), (20, 6, 3)]:
+        for int8 in (False, True):
+            k, v = randn(400, hkv, d, seed=1), randn(400, hkv, d, seed=2)
+            if int8:
+                k, v = kv_quant.quantize_rows(k), kv_quant.quantize_rows(v)
+            slots = torch.randperm(400, generator=torch.Generator().manual_seed(3))[: 450 // 3]
+            slots = slots.view(1, -1).repeat(3, 1)
+            q = randn(3, hq, d, seed=4)
+            out = attn_kernel.decode_attention(q, k, v, slots, lens)
+            ref = gathered_reference(q, k, v, slots, lens)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    from pdserve.kernels.memory import read_sum
+
+    x = randn(100_003).abs()
+    torch.testing.assert_close(torch.tensor(read_sum(x)), x.sum(), rtol=1e-4, atol=1e-4)

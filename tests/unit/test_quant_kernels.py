@@ -243,13 +243,14 @@ def _portable_library(flag):
 
 
 @needs_native
-@pytest.mark.parametrize("flag", ["-mno-avx512vnni", "-mno-avx512f"])
+@pytest.mark.parametrize("flag", ["-mno-avx512vnni", "-mno-avx512f", "-mno-avx2", "-mno-avx"])
 @pytest.mark.parametrize("n,k", [(100, 64), (64, 172), (512, 96)])
 @pytest.mark.parametrize("rows", [1, 3, 7])
 def test_the_portable_paths_compute_what_the_vnni_path_does(flag, n, k, rows):
-    """Without VNNI (portable integer dot products) and without AVX-512 at all (scalar
-    activation rounding and half floats too) the kernels compute the same integers: where this
-    CPU has VNNI the libraries give the same outputs, and each matches the torch reference."""
+    """Without VNNI, without AVX-512 at all (AVX2's pairwise byte products, its activation
+    rounding) and without AVX2 (portable integer dot products, scalar rounding) the kernels
+    compute the same integers: each library gives this CPU's own library's outputs, whichever
+    of the paths that is, and matches the torch reference."""
     import ctypes
 
     lib = _portable_library(flag)
@@ -270,3 +271,33 @@ def test_the_portable_paths_compute_what_the_vnni_path_does(flag, n, k, rows):
         ref = quantize_activations(x) @ layer.dequantize().T
         torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(y, layer(x), rtol=1e-6, atol=1e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("flag", [None, "-mno-avx512vnni", "-mno-avx512f", "-mno-avx2", "-mno-avx"])
+def test_products_at_the_extremes_do_not_saturate(flag):
+    """int8 weights all at +-127 steps against activations all at +-127 with the same signs:
+    each pair of byte products is 2 x 127 x 127, the most AVX2's 16-bit pair sums must hold
+    (its unsigned codes, up to 255, would overflow them); int4 codes at 15 against 127. Every
+    path gives the reference's sums."""
+    import ctypes
+
+    lib = build.library() if flag is None else _portable_library(flag)
+    P, I = ctypes.c_void_p, ctypes.c_int64  # noqa: E741, N806
+    g = torch.Generator().manual_seed(1)
+    signs = torch.randint(0, 2, (64, 128), generator=g).float() * 2 - 1
+    x = torch.cat([signs[:3] * 3.0, signs[:2].abs() * 3.0])
+    codes = torch.randint(0, 16, (64, 128), generator=g)
+    codes[:, ::32], codes[:, 1::32] = 0, 15  # every group spans 0..15
+    for layer in (Int8Linear(signs * 0.5), Int4Linear(codes * 0.1, group_size=32)):
+        y = torch.empty(5, 64)
+        if isinstance(layer, Int8Linear):
+            fn, extra = lib.pd_int8_linear, ()
+            fn.argtypes = [P, I, I, P, P, I, P]
+        else:
+            fn, extra = lib.pd_int4_linear, (I(32),)
+            fn.argtypes = [P, I, I, P, P, I, I, P]
+        assert fn(x.data_ptr(), 5, 128, layer.q.data_ptr(), layer.scale.data_ptr(), 64, *extra,
+                  y.data_ptr()) == 0  # fmt: skip
+        ref = quantize_activations(x) @ layer.dequantize().T
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
