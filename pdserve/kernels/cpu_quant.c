@@ -54,7 +54,7 @@
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PD_VNNI 1
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && V == 8 /* AVX-512 without VNNI keeps the portable code, as before */
 #define PD_AVX2_DOT 1
 #endif
 
