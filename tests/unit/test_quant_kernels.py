@@ -242,6 +242,26 @@ def _portable_library(flag):
     return lib
 
 
+def _product(lib, layer, x):
+    """`layer`'s product of x through `lib`'s int8 or int4 kernel, called directly."""
+    import ctypes
+
+    P, I = ctypes.c_void_p, ctypes.c_int64  # noqa: E741, N806
+    rows, k = x.shape
+    n = layer.out_features
+    y = torch.empty(rows, n)
+    if isinstance(layer, Int8Linear):
+        fn, extra = lib.pd_int8_linear, ()
+        fn.argtypes = [P, I, I, P, P, I, P]
+    else:
+        fn, extra = lib.pd_int4_linear, (I(layer.group_size),)
+        fn.argtypes = [P, I, I, P, P, I, I, P]
+    rc = fn(x.data_ptr(), rows, k, layer.q.data_ptr(), layer.scale.data_ptr(), n, *extra,
+            y.data_ptr())  # fmt: skip
+    assert rc == 0
+    return y
+
+
 @needs_native
 @pytest.mark.parametrize("flag", ["-mno-avx512vnni", "-mno-avx512f", "-mno-avx2", "-mno-avx"])
 @pytest.mark.parametrize("n,k", [(100, 64), (64, 172), (512, 96)])
@@ -251,23 +271,11 @@ def test_the_portable_paths_compute_what_the_vnni_path_does(flag, n, k, rows):
     rounding) and without AVX2 (portable integer dot products, scalar rounding) the kernels
     compute the same integers: each library gives this CPU's own library's outputs, whichever
     of the paths that is, and matches the torch reference."""
-    import ctypes
-
     lib = _portable_library(flag)
     assert lib.pd_vnni() == 0
     w, x = weight(n, k), torch.randn(rows, k)
-    P, I = ctypes.c_void_p, ctypes.c_int64  # noqa: E741, N806
     for layer in (Int8Linear(w), Int4Linear(w, group_size=32)):
-        y = torch.empty(rows, n)
-        if isinstance(layer, Int8Linear):
-            fn, extra = lib.pd_int8_linear, ()
-            fn.argtypes = [P, I, I, P, P, I, P]
-        else:
-            fn, extra = lib.pd_int4_linear, (I(32),)
-            fn.argtypes = [P, I, I, P, P, I, I, P]
-        rc = fn(x.data_ptr(), rows, k, layer.q.data_ptr(), layer.scale.data_ptr(), n, *extra,
-                y.data_ptr())  # fmt: skip
-        assert rc == 0
+        y = _product(lib, layer, x)
         ref = quantize_activations(x) @ layer.dequantize().T
         torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(y, layer(x), rtol=1e-6, atol=1e-6)
@@ -280,24 +288,13 @@ def test_products_at_the_extremes_do_not_saturate(flag):
     each pair of byte products is 2 x 127 x 127, the most AVX2's 16-bit pair sums must hold
     (its unsigned codes, up to 255, would overflow them); int4 codes at 15 against 127. Every
     path gives the reference's sums."""
-    import ctypes
-
     lib = build.library() if flag is None else _portable_library(flag)
-    P, I = ctypes.c_void_p, ctypes.c_int64  # noqa: E741, N806
     g = torch.Generator().manual_seed(1)
     signs = torch.randint(0, 2, (64, 128), generator=g).float() * 2 - 1
     x = torch.cat([signs[:3] * 3.0, signs[:2].abs() * 3.0])
     codes = torch.randint(0, 16, (64, 128), generator=g)
     codes[:, ::32], codes[:, 1::32] = 0, 15  # every group spans 0..15
     for layer in (Int8Linear(signs * 0.5), Int4Linear(codes * 0.1, group_size=32)):
-        y = torch.empty(5, 64)
-        if isinstance(layer, Int8Linear):
-            fn, extra = lib.pd_int8_linear, ()
-            fn.argtypes = [P, I, I, P, P, I, P]
-        else:
-            fn, extra = lib.pd_int4_linear, (I(32),)
-            fn.argtypes = [P, I, I, P, P, I, I, P]
-        assert fn(x.data_ptr(), 5, 128, layer.q.data_ptr(), layer.scale.data_ptr(), 64, *extra,
-                  y.data_ptr()) == 0  # fmt: skip
+        y = _product(lib, layer, x)
         ref = quantize_activations(x) @ layer.dequantize().T
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
