@@ -1,12 +1,17 @@
 """Weight-only quantization on the real tiny model: perplexity against float32 on its reference
-story and on held-out stories, greedy agreement, and the engine's modes (chunked prefill, the
-prefix cache) with quantized weights; tests/e2e/test_disagg.py serves them 1P+1D.
+story, on held-out stories and on stories the float model samples, greedy agreement, and the
+engine's modes (chunked prefill, the prefix cache) with quantized weights;
+tests/e2e/test_disagg.py serves them 1P+1D.
 
 Measured bounds (docs/PERFORMANCE.md has the figures): int8 stays within 1% of float32's
-perplexity on every text. int4 (groups of 32, calibrated on 4,096 tokens the model samples)
-measured +1.7%, +5.5%, -0.9%, -1.1%: held within 6% on each text and 3% on their mean; rounded
-to nearest (no calibration) it measured +4.9%, +3.3%, +9.9%, +9.1% (the symmetric rounding
-before it: up to +17%): held within 12%, and the calibrated mean must beat it.
+perplexity on every text. int4 (groups of 32, calibrated on 4,096 tokens the model samples) is
+held on the steadier measure: the perplexity of 32 stories of 256 tokens that the float model
+samples (seeds 10000-10031, none of them calibration text), measured +3.7% to +4.4% over four
+calibration seeds on one machine and +4.4% on another, held within 5%; rounded to nearest (no
+calibration) +8.5%, and the calibrated one must beat it. On the four short texts one calibration
+and another differ by several points per text (the largest of them measured +4.9% to +11.3% over
+the seeds; which seed a machine gets in effect depends on its float arithmetic, since the
+calibration text is sampled): each is held within 12%, what rounding to nearest meets.
 """
 
 from __future__ import annotations
@@ -18,14 +23,23 @@ import torch
 
 from pdserve import LLM, SamplingParams
 
-BOUNDS = {"int8": 0.01, "int4": 0.06}
-INT4_MEAN_BOUND = 0.03
-NEAREST_BOUND = 0.12  # int4 rounded to nearest
+BOUNDS = {"int8": 0.01, "int4": 0.12}  # per text
+SAMPLED_BOUNDS = {"int8": 0.01, "int4": 0.05}  # the sampled stories, pooled
+NEAREST_BOUND = 0.12  # int4 rounded to nearest, per text
+SAMPLED_SEEDS = range(10000, 10032)
+SAMPLED_TOKENS = 256
 
 
 def perplexity(llm: LLM, text: str) -> float:
     out = llm.generate([text], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
     logprobs = [lp.logprob for lp in out.prompt_logprobs[1:]]
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def pooled_perplexity(llm: LLM, stories: list[list[int]]) -> float:
+    """exp of the mean negative log-likelihood over every token of every story."""
+    outs = llm.generate(stories, [SamplingParams(max_tokens=0, prompt_logprobs=0)] * len(stories))
+    logprobs = [lp.logprob for o in outs for lp in o.prompt_logprobs[1:]]
     return math.exp(-sum(logprobs) / len(logprobs))
 
 
@@ -49,17 +63,46 @@ def test_perplexity_stays_near_float32(stories_path, texts, float_ppl, quant):
     llm.engine.core.scheduler.kv.pool.check_whole()
 
 
-def test_int4_calibration_beats_rounding_to_nearest(stories_path, texts, float_ppl):
-    """Calibrated int4 stays within 3% of float32 on the texts' mean; rounded to nearest it is
-    within 12% on each but worse on the mean (measured: 1.3% against 6.8%)."""
-    calibrated = LLM(stories_path, quantization="int4")
+@pytest.fixture(scope="module")
+def sampled_stories(stories_path) -> list[list[int]]:
+    """32 stories of 256 tokens the float model samples from BOS (temperature 1)."""
+    llm = LLM(stories_path)
+    bos = llm.engine.core.model_config.bos_token_id
+    params = [
+        SamplingParams(max_tokens=SAMPLED_TOKENS - 1, temperature=1.0, seed=s, ignore_eos=True)
+        for s in SAMPLED_SEEDS
+    ]
+    outs = llm.generate([[bos]] * len(params), params)
+    return [[bos, *o.outputs[0].token_ids] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def sampled_float_ppl(stories_path, sampled_stories) -> float:
+    return pooled_perplexity(LLM(stories_path), sampled_stories)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_sampled_stories_stay_near_float32(stories_path, sampled_stories, sampled_float_ppl, quant):
+    """Measured: int8 +0.13%, int4 +4.4% (+3.7% to +4.4% over calibration seeds)."""
+    assert len(sampled_stories) == 32 and all(len(s) == SAMPLED_TOKENS for s in sampled_stories)
+    ppl = pooled_perplexity(LLM(stories_path, quantization=quant), sampled_stories)
+    assert ppl / sampled_float_ppl - 1 <= SAMPLED_BOUNDS[quant], (quant, ppl, sampled_float_ppl)
+
+
+def test_int4_calibration_beats_rounding_to_nearest(
+    stories_path, texts, float_ppl, sampled_stories, sampled_float_ppl
+):
+    """Rounded to nearest, int4 stays within 12% on each short text; calibrated, it is better
+    on the sampled stories (measured: +4.4% against +8.6%)."""
     nearest = LLM(stories_path, quantization="int4", quantization_calibration_tokens=0)
-    rises = {}
-    for name, llm in (("calibrated", calibrated), ("nearest", nearest)):
-        rises[name] = [perplexity(llm, t) / b - 1 for t, b in zip(texts, float_ppl, strict=True)]
-    assert max(rises["nearest"]) <= NEAREST_BOUND, rises
-    mean = {name: sum(r) / len(r) for name, r in rises.items()}
-    assert mean["calibrated"] <= INT4_MEAN_BOUND and mean["calibrated"] < mean["nearest"], rises
+    rises = [perplexity(nearest, t) / b - 1 for t, b in zip(texts, float_ppl, strict=True)]
+    assert max(rises) <= NEAREST_BOUND, rises
+    calibrated = LLM(stories_path, quantization="int4")
+    rise = {
+        name: pooled_perplexity(llm, sampled_stories) / sampled_float_ppl - 1
+        for name, llm in (("calibrated", calibrated), ("nearest", nearest))
+    }
+    assert rise["calibrated"] < rise["nearest"], rise
 
 
 def _int4_weights(llm: LLM) -> list[torch.Tensor]:
