@@ -8,6 +8,14 @@ allowed CPUs, streams a fixed synthetic load through it with `pdserve bench`'s c
 measures, per output token, the CPU time of the frontend (its `process_cpu_seconds_total`) and
 of the client (this process), and the time a first token spends outside the engine (the
 client's TTFT minus the server's own). The simulator adds them to a step (`planner/simulator`).
+
+Before that load, a few requests go one at a time, so that every step's shape is known (one
+prompt from an empty cache, then decodes of one sequence): a served step takes longer than the
+profile's in-process step of the same shape by more than the frontend's CPU per token (the
+worker's loop between steps; the frontend's and the client's processes preempting one of the
+worker's threads, which the other then waits for at the next barrier). The factor per kind of
+step is the served time (the server's TTFT for the prompt step, the client's median inter-token
+time for decodes) less the CPU per token, over the step model's prediction.
 """
 
 from __future__ import annotations
@@ -23,13 +31,19 @@ from pathlib import Path
 
 from pdserve.config import EngineArgs
 from pdserve.planner.profile import ServingCosts
+from pdserve.planner.step_model import StepModel, StepShape
 
 NUM_REQUESTS = 32
 CONCURRENCY = 6
 INPUT_LEN, OUTPUT_LEN = 256, 64
+NUM_SEQUENTIAL = 4  # requests sent one at a time, for the served/in-process step factors
 
 
-def measure_serving_costs(args: EngineArgs, log=print) -> ServingCosts:
+def measure_serving_costs(
+    args: EngineArgs, log=print, step_model: StepModel | None = None
+) -> ServingCosts:
+    """`step_model`: the profile's model of a worker on every allowed CPU, for the step factors
+    (without it they stay 1.0)."""
     from pdserve.bench.client import ClientConfig, fetch_metrics, run_requests
     from pdserve.bench.compare import Deployment, ServerProcess
     from pdserve.bench.tokenizer import HFPromptTokenizer, load_tokenizer
@@ -45,14 +59,19 @@ def measure_serving_costs(args: EngineArgs, log=print) -> ServingCosts:
         "--dtype", str(args.dtype), "--log-level", "warning",
     ]  # fmt: skip
     workload = WorkloadConfig(
-        num_requests=NUM_REQUESTS, input_len=INPUT_LEN, output_len=OUTPUT_LEN, seed=0
+        num_requests=NUM_REQUESTS + NUM_SEQUENTIAL,
+        input_len=INPUT_LEN,
+        output_len=OUTPUT_LEN,
+        seed=0,
     )
     tokenizer = HFPromptTokenizer(load_tokenizer(args.tokenizer or args.model))
     prompts = build_prompts(make_specs(workload), tokenizer)
+    prompts, alone = prompts[:NUM_REQUESTS], prompts[NUM_REQUESTS:]  # no prompt served twice
     client = ClientConfig(base_url, args.model, "completions")
     log_path = Path(tempfile.mkdtemp(prefix="pdserve-profile-")) / "serve.log"
     with ServerProcess(Deployment("calibration", base_url, tuple(serve)), log_path):
         asyncio.run(run_requests(prompts[:CONCURRENCY], client, CONCURRENCY))  # warm up
+        sequential = asyncio.run(run_requests(alone, client, 1))
         before = fetch_metrics(base_url)
         cpu0 = time.process_time()
         records = asyncio.run(run_requests(prompts, client, CONCURRENCY))
@@ -69,18 +88,55 @@ def measure_serving_costs(args: EngineArgs, log=print) -> ServingCosts:
         for r in records
         if r.ttft is not None and r.server_timings and r.server_timings.get("ttft_ms") is not None
     ]
+    frontend_cpu = window.increase("process_cpu_seconds_total") / tokens
+    client_cpu = client_cpu / tokens
+    factors = {}
+    if step_model is not None:
+        factors = step_factors(sequential, step_model, frontend_cpu + client_cpu)
     costs = ServingCosts(
         cpus=len(cpus),
-        frontend_cpu_per_token_s=window.increase("process_cpu_seconds_total") / tokens,
-        client_cpu_per_token_s=client_cpu / tokens,
+        frontend_cpu_per_token_s=frontend_cpu,
+        client_cpu_per_token_s=client_cpu,
         frontend_latency_s=max(statistics.median(outside), 0.0) if outside else 0.0,
+        **factors,
     )
     log(
         f"serving on {len(cpus)} CPUs: frontend {costs.frontend_cpu_per_token_s * 1e3:.2f} ms and "
         f"client {costs.client_cpu_per_token_s * 1e3:.2f} ms of CPU per output token, "
-        f"{costs.frontend_latency_s * 1e3:.1f} ms of TTFT outside the engine"
+        f"{costs.frontend_latency_s * 1e3:.1f} ms of TTFT outside the engine; a served step "
+        f"takes x{costs.decode_step_factor:.2f} (decode) and x{costs.prefill_step_factor:.2f} "
+        "(prompt) the in-process one"
     )
     return costs
+
+
+def step_factors(records, model: StepModel, cpu_per_token_s: float) -> dict[str, float]:
+    """The served/in-process factors from requests served one at a time (`RequestRecord`s):
+    the prompt's step is the server's TTFT, a decode step the median gap between tokens; each
+    less the CPU one token costs, over the model's time for the same shape. A factor is left
+    at 1.0 where no request measured it."""
+    prefill, decode, predicted_prefill, predicted_decode = [], [], [], []
+    for r in records:
+        if r.status != "completed" or not r.server_timings:
+            continue
+        p = r.num_input_tokens
+        if r.server_timings.get("ttft_ms") is not None:
+            prefill.append(r.server_timings["ttft_ms"] / 1e3)
+            predicted_prefill.append(model.predict(StepShape.of([p], [p], 1)))
+        gaps = r.itl  # the gap before token k + 2 is the step that ends at context p + k + 2
+        decode += gaps
+        predicted_decode += [
+            model.predict(StepShape.of([1], [p + k + 2], 1)) for k in range(len(gaps))
+        ]
+    factors = {}
+    for name, served, predicted in (
+        ("prefill_step_factor", prefill, predicted_prefill),
+        ("decode_step_factor", decode, predicted_decode),
+    ):
+        own = statistics.median(served) - cpu_per_token_s if served else 0.0
+        if own > 0:
+            factors[name] = own / statistics.median(predicted)
+    return factors
 
 
 def _free_port() -> int:

@@ -34,13 +34,18 @@ class TransferModel:
 @dataclass(frozen=True)
 class ServingCosts:
     """What serving adds to a step on the measured machine (`perf/serving_costs.py`): CPU time
-    per output token that the frontend, and a client on the same machine, take from the cores,
-    and the time a first token spends outside the engine."""
+    per output token that the frontend, and a client on the same machine, take from the cores;
+    the time a first token spends outside the engine; and how much longer a served step takes
+    than the same step in-process (the worker's loop, and other processes on its cores), per
+    kind of step, beyond the CPU per token. Profiles measured before the factors lack them
+    (1.0)."""
 
     cpus: int  # the CPUs the measured deployment occupied
     frontend_cpu_per_token_s: float
     client_cpu_per_token_s: float
     frontend_latency_s: float
+    decode_step_factor: float = 1.0  # a served decode-only step / the step model's prediction
+    prefill_step_factor: float = 1.0  # a served step with prompt tokens / the prediction
 
 
 @dataclass

@@ -186,6 +186,58 @@ def test_serving_costs_slow_the_steps_that_share_the_frontends_cores():
     assert Profile.from_dict(served.to_dict()) == served
 
 
+def test_served_steps_take_their_measured_factor_per_kind_of_step():
+    costs = ServingCosts(cpus=2, frontend_cpu_per_token_s=0.002, client_cpu_per_token_s=0.0,
+                         frontend_latency_s=0.0, decode_step_factor=1.2,
+                         prefill_step_factor=1.5)  # fmt: skip
+    served = dataclasses.replace(PROFILE, serving=costs)
+    plain = dataclasses.replace(PROFILE, serving=dataclasses.replace(
+        costs, decode_step_factor=1.0, prefill_step_factor=1.0))  # fmt: skip
+
+    def steps(profile):
+        sim = Simulation(profile, EngineArgs(model="m"), max_model_len=2048, threads_per_worker=2)
+        return sim.run([RequestSpec(0, 0.0, 64, 20)]).steps
+
+    prompt, *decodes = steps(served)
+    base_prompt, *base_decodes = steps(plain)
+    # the factor scales the step model's time; the frontend's CPU per token comes on top
+    assert prompt.duration_s - 0.002 == pytest.approx(1.5 * (base_prompt.duration_s - 0.002))
+    assert len(decodes) == 19
+    for a, b in zip(base_decodes, decodes, strict=True):
+        assert b.duration_s - 0.002 == pytest.approx(1.2 * (a.duration_s - 0.002))
+    assert Profile.from_dict(served.to_dict()) == served
+    # a profile written before the factors existed reads as 1.0
+    old = served.to_dict()
+    del old["serving"]["decode_step_factor"], old["serving"]["prefill_step_factor"]
+    assert Profile.from_dict(old).serving == dataclasses.replace(
+        costs, decode_step_factor=1.0, prefill_step_factor=1.0
+    )
+
+
+def test_step_factors_compare_served_requests_with_the_model():
+    from pdserve.bench.metrics import RequestRecord
+    from pdserve.perf.serving_costs import step_factors
+
+    model = SplitStepModel(decode=TWO, prefill=ONE)
+    cpu = 0.001  # per token, on top of the factor
+    records = []
+    for i, p in enumerate((250, 256, 262)):
+        first = 1.3 * model.predict(StepShape.of([p], [p], 1)) + cpu
+        times = [first]
+        for k in range(30):  # token k + 2 ends the step at context p + k + 2
+            times.append(times[-1] + 1.1 * model.predict(StepShape.of([1], [p + k + 2], 1)) + cpu)
+        records.append(RequestRecord(
+            index=i, input_len=p, output_len=31, prompt_len=p, t_scheduled=0.0, t_arrive=0.0,
+            t_first=first,
+            token_times=times, t_end=times[-1], status=COMPLETED, prompt_tokens=p,
+            completion_tokens=31, server_timings={"ttft_ms": first * 1e3},
+        ))  # fmt: skip
+    factors = step_factors(records, model, cpu)
+    assert factors["prefill_step_factor"] == pytest.approx(1.3, rel=1e-3)
+    assert factors["decode_step_factor"] == pytest.approx(1.1, rel=1e-3)
+    assert step_factors([], model, cpu) == {}  # nothing measured: the defaults stand
+
+
 def test_one_long_context_makes_every_decode_of_the_step_pay_for_its_length():
     padded = LinearStepModel(0.01, 0.0, 0.0, 0.0, 0.0, per_padded_kv_token=1e-5)
     uniform = StepShape.of([1] * 8, [64] * 8, 8)
