@@ -1,6 +1,6 @@
 """How close the simulator comes to measured serving: the same requests, run and simulated.
 
-    pdserve profile --model DIR --linear-backend onednn --output prof.json    # ~5 minutes
+    pdserve profile --model DIR --output prof.json    # ~6 minutes
     python benchmarks/sim_accuracy_bench.py --profile prof.json --output acc.json   # ~30 minutes
     python benchmarks/sim_accuracy_bench.py --reanalyze acc.json
 
@@ -19,8 +19,8 @@ Workloads (`--workloads`), Poisson arrivals at `--rate` with `--seed`, lengths c
   mooncake  mooncake_conversation.jsonl, lengths x `--mooncake-scale` (prompts share prefixes
             by their block hash ids, so the prefix cache matters), prompts <= 1024, outputs <= 128
 
-Deployments (`--deployments`), all with `--linear-backend` (default onednn, which the profile
-must have been measured with):
+Deployments (`--deployments`), all with `--linear-backend` (default auto, the engine's; the
+profile must have been measured with the same):
 
   colocated-chunked  --cpus 0-1 --max-num-batched-tokens 256
   colocated-nochunk  --cpus 0-1 --no-chunked-prefill
@@ -216,7 +216,7 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=0.25, help="req/s (default 0.25)")
     p.add_argument("--mooncake-scale", type=float, default=0.05, help="length scale (0.05)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--linear-backend", default="onednn")
+    p.add_argument("--linear-backend", default="auto")
     p.add_argument("--attempts", type=int, default=2)
     p.add_argument("--output", help="write everything (per-request records too) as JSON")
     p.add_argument("--reanalyze", metavar="FILE", help="print the table of a saved --output")
