@@ -63,8 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if args.serving_costs:
         from pdserve.perf.serving_costs import measure_serving_costs
 
-        allowed_cpus = len(os.sched_getaffinity(0))
-        profile.serving = measure_serving_costs(engine, step_model=profile.step_model(allowed_cpus))
+        profile.serving = measure_serving_costs(engine, step_model=profile.step_model(allowed))
     profile.save(args.output)
     print(f"wrote {args.output}")
     return 0
