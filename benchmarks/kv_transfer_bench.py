@@ -74,7 +74,7 @@ class _Req:
 
 def make_caches(cfg: ModelConfig, num_slots: int, factory=None) -> list[torch.Tensor]:
     shape = (cfg.num_layers, 2, num_slots, cfg.num_kv_heads, cfg.head_dim)
-    cache = factory(shape, torch.float32) if factory else torch.randn(shape)
+    cache = factory(shape, torch.float32, torch.device("cpu")) if factory else torch.randn(shape)
     return list(cache.unbind(0))
 
 

@@ -56,6 +56,19 @@ class KVDest(msgspec.Struct, frozen=True):
     num_cached_tokens: int  # leading tokens it already holds: send only the rest
 
 
+class CudaIpcHandle(msgspec.Struct, frozen=True):
+    """One CUDA allocation of a decode worker's cache, as torch's `_share_cuda_` describes it."""
+
+    device: int
+    handle: bytes  # cudaIpcMemHandle of the allocation
+    size_bytes: int  # of the storage
+    offset_bytes: int  # of the storage within the allocation
+    ref_counter_handle: bytes  # shared memory holding the allocation's count of users
+    ref_counter_offset: int
+    event_handle: bytes  # the producer's event, for the consumer to wait on once
+    event_sync_required: bool
+
+
 class PeerEndpoint(msgspec.Struct, frozen=True):
     """How a prefill worker reaches one decode worker's KV cache."""
 
@@ -67,6 +80,9 @@ class PeerEndpoint(msgspec.Struct, frozen=True):
     shm_paths: list[str]
     layout: KVLayout
     host: str = ""  # the decode worker's host (`host_identity`): shm files map only there
+    # shm on a GPU: the CUDA allocation of the decode worker's cache instead of files
+    # (`connector/cuda_ipc.py`), one per rank like `shm_paths`
+    cuda_ipc: list[CudaIpcHandle] = []
 
 
 class KVLayerHeader(msgspec.Struct, tag=True):

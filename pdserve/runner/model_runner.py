@@ -91,7 +91,7 @@ class ModelRunner:
         tensor_parallel_size: int = 1,
         tensor_parallel_threads: int | None = None,
     ) -> None:
-        """`kv_cache_factory(shape, dtype)` allocates the KV cache (default: zeros in this
+        """`kv_cache_factory(shape, dtype, device)` allocates the KV cache (default: zeros in this
         process; disaggregated decode workers put it in shared memory). `draft_model` (a
         folder) or `draft_layers` (the first N of this model) make the draft that proposes
         tokens for speculative decoding (`pdserve.spec.draft`). `tensor_parallel_size` > 1
@@ -148,14 +148,15 @@ class ModelRunner:
         if kv_cache_factory is None:
             cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         else:
-            cache = kv_cache_factory(shape, self.kv_dtype)
+            cache = kv_cache_factory(shape, self.kv_dtype, self.device)
         self.kv_caches = list(cache.unbind(0))  # per layer [2, num_slots, Hkv, D]
         if self.tp is not None:
             # where the cache must be reachable (a decode worker's, in shared memory), each
             # follower's is a file made the same way, which it maps
             paths = None
             if kv_cache_factory is not None:
-                made = [kv_cache_factory(shape, self.kv_dtype) for _ in range(1, self.tp.size)]
+                made = [kv_cache_factory(shape, self.kv_dtype, self.device)
+                        for _ in range(1, self.tp.size)]  # fmt: skip
                 paths = [t.untyped_storage().filename for t in made]
                 if None in paths:
                     raise ValueError("the KV cache factory made a cache no follower can map")

@@ -54,6 +54,13 @@ def wait_for(cond, timeout=10.0):
         time.sleep(0.005)
 
 
+HAS_CUDA = torch.cuda.is_available()
+ON_GPU = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_GPU])
 @pytest.mark.parametrize("transport", ["shm", "tcp", "auto", "auto-elsewhere"])
 @pytest.mark.parametrize(
     "tables",
@@ -63,19 +70,24 @@ def wait_for(cond, timeout=10.0):
         "mixed",  # long stretches with breaks, and a decode side that holds leading blocks
     ],
 )
-def test_sender_writes_exactly_the_new_rows(tmp_path, transport, tables, monkeypatch):
+def test_sender_writes_exactly_the_new_rows(tmp_path, device, transport, tables, monkeypatch):
     """auto: the cache in shared memory and the channel on TCP; the rows are written in place
-    from this host, and sent on the stream from elsewhere (another host id)."""
+    from this host, and sent on the stream from elsewhere (another host id). On a GPU both
+    caches are in device memory: the rows leave through pinned memory on the stream (in place
+    from this host is CUDA IPC, which needs two processes: `test_cuda_ipc_between_processes`)."""
+    if device == "cuda" and transport in ("shm", "auto"):
+        pytest.skip("CUDA IPC opens no handle in the process that exported it")
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     slots_total = NUM_BLOCKS * BLOCK
-    own = list(torch.randn(LAYERS, 2, slots_total, HEADS, HEAD_DIM).unbind(0))
+    dev = torch.device(device)
+    own = list(torch.randn(LAYERS, 2, slots_total, HEADS, HEAD_DIM).to(dev).unbind(0))
     paths: list[str] = []
     elsewhere = transport == "auto-elsewhere"
     transport = transport.removesuffix("-elsewhere")
     factory = shm_cache_factory(paths, str(tmp_path)) if transport != "tcp" else None
     shape = (LAYERS, 2, slots_total, HEADS, HEAD_DIM)
-    peer_cache = factory(shape, torch.float32) if factory else torch.zeros(shape)
+    peer_cache = factory(shape, torch.float32, dev) if factory else torch.zeros(shape, device=dev)
     peer = list(peer_cache.unbind(0))
     address = f"ipc://{tmp_path}/kv" if transport == "shm" else "tcp://127.0.0.1:0"
     num_tokens, cached = 150, 0  # 37.5 blocks: the last one partly filled
@@ -142,8 +154,9 @@ def test_sender_writes_exactly_the_new_rows(tmp_path, transport, tables, monkeyp
             assert not peer[layer][:, untouched].any()  # nothing else was written
         assert done[0].num_bytes == (num_tokens - cached) * LAYERS * 2 * HEADS * HEAD_DIM * 4
         assert not recv.dropped
-        if transport != "tcp":
+        if transport != "tcp" and device == "cpu":
             assert os.stat(paths[0]).st_mode & 0o777 == 0o600
+        assert bool(recv.endpoint().cuda_ipc) == (device == "cuda" and transport == "auto")
     finally:
         recv.close()
 
@@ -173,7 +186,7 @@ def test_every_kv_head_reaches_the_rank_that_holds_it(tmp_path, transport, sende
     paths: list[str] = []
     if transport == "shm":
         factory = shm_cache_factory(paths, str(tmp_path))
-        ranks = [factory(share, torch.float32) for _ in range(2)]
+        ranks = [factory(share, torch.float32, torch.device("cpu")) for _ in range(2)]
     else:
         ranks = [torch.zeros(share)]
     followers = _Followers()
@@ -454,3 +467,117 @@ def test_a_decode_worker_whose_cache_is_gone_is_skipped_not_fatal(tmp_path, capl
     assert sender.finish("r", first_token=1)[3] == "none"
     sender.flush()
     assert sender.error is None
+
+
+# ---- a decode worker whose cache is on a GPU -------------------------------------------------
+
+
+def _gpu_endpoint(tmp_path, transport: str):
+    from pdserve.disagg.protocol import CudaIpcHandle, PeerEndpoint
+
+    handle = CudaIpcHandle(0, b"\1" * 64, 4096, 0, b"/torch_1_2", 0, b"\2" * 64, True)
+    return PeerEndpoint(3, f"ipc://{tmp_path}/kv3", transport, [], LAYOUT, shm.host_identity(),
+                        [handle])  # fmt: skip
+
+
+def test_a_gpu_cache_offer_survives_the_handshake_and_old_peers_still_decode(tmp_path):
+    """The CUDA IPC handle travels in the endpoint as plain msgpack (no pickle); an endpoint
+    from a worker that predates it reads as offering none."""
+    import msgspec
+
+    from pdserve.disagg.protocol import PeerEndpoint
+
+    ep = _gpu_endpoint(tmp_path, "shm")
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(ep), type=PeerEndpoint) == ep
+    old = {k: v for k, v in msgspec.to_builtins(ep).items() if k != "cuda_ipc"}
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=PeerEndpoint).cuda_ipc == []
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks a process without CUDA")
+def test_a_gpu_decode_worker_is_reached_over_tcp_or_skipped_from_a_process_without_cuda(
+    tmp_path, caplog
+):
+    """`auto`: the rows go on the stream (nothing here can open a GPU's memory); `shm`: the
+    decode worker cannot be reached, which is a warning and a recompute there, not a crash."""
+    from pdserve.disagg.connector.tcp import AutoTransport, TcpPeer
+    from pdserve.disagg.connector.transports import transport_for
+
+    own = list(torch.zeros(LAYERS, 2, NUM_BLOCKS * BLOCK, HEADS, HEAD_DIM).unbind(0))
+    assert isinstance(AutoTransport().open_peer(_gpu_endpoint(tmp_path, "auto"), own), TcpPeer)
+    with pytest.raises(ValueError, match="no CUDA"):
+        transport_for("shm").open_peer(_gpu_endpoint(tmp_path, "shm"), own)
+    sender = KVSender(0, own, BLOCK, LAYOUT, KEY)
+    sender.add_peer(_gpu_endpoint(tmp_path, "shm"))
+    assert 3 not in sender.peers and sender.error is None
+    assert "decode worker 3 cannot be reached" in caplog.text
+
+
+_DECODE_SIDE = """
+import sys, time, msgspec, torch
+from pdserve.disagg.connector import KVReceiver
+from pdserve.disagg.protocol import KVLayout
+layout = msgspec.json.decode(sys.argv[1], type=KVLayout)
+shape, table = msgspec.json.decode(sys.argv[2]), msgspec.json.decode(sys.argv[3])
+cache = torch.zeros(shape, device="cuda")
+recv = KVReceiver(1, list(cache.unbind(0)), "shm", sys.argv[4], [], layout, {"r": table}.get,
+                  bytes.fromhex(sys.argv[5]), max_tokens=4096)
+sys.stdout.buffer.write(msgspec.msgpack.encode(recv.endpoint()).hex().encode() + b"\\n")
+sys.stdout.flush()
+deadline, done = time.monotonic() + 60, []
+while not done and time.monotonic() < deadline:
+    done = recv.poll()[0]
+    time.sleep(0.01)
+torch.cuda.synchronize()
+torch.save(cache.cpu(), sys.argv[6])  # what the prefill side wrote, for it to check
+recv.close()
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_cuda_ipc_between_processes(tmp_path):
+    """`shm` on a GPU: a decode worker in another process offers its cache's CUDA memory; the
+    prefill side opens it and writes exactly the new rows device to device."""
+    import subprocess
+    import sys
+
+    import msgspec
+
+    from pdserve.disagg.protocol import PeerEndpoint
+
+    torch.manual_seed(0)
+    slots_total = NUM_BLOCKS * BLOCK
+    shape = [LAYERS, 2, slots_total, HEADS, HEAD_DIM]
+    whole = torch.randn(shape)
+    own = list(whole.cuda().unbind(0))
+    src_table, dst_table, n = [7, 3, 11, 12, 13], [40, 41, 2, 9, 20], 18
+    out = tmp_path / "decode-cache.pt"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _DECODE_SIDE, msgspec.json.encode(LAYOUT).decode(),
+         msgspec.json.encode(shape).decode(), msgspec.json.encode(dst_table).decode(),
+         f"ipc://{tmp_path}/kv", KEY.hex(), str(out)],
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        endpoint = msgspec.msgpack.decode(bytes.fromhex(child.stdout.readline().decode()),
+                                          type=PeerEndpoint)  # fmt: skip
+        assert endpoint.cuda_ipc and not endpoint.shm_paths
+        sender = KVSender(0, own, BLOCK, LAYOUT, KEY)
+        sender.add_peer(endpoint)
+        assert sender.peers[1].writer.path == "shm"
+        sender.add_request("r", KVDest(1, dst_table, 0))
+        sender.begin_step(plan("r", 0, n), {"r": src_table})
+        for layer in range(LAYERS):
+            sender.on_layer(layer)
+        sender.finish("r", first_token=5)
+        sender.flush()
+        assert child.wait(timeout=90) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+    got = torch.load(out)
+    dst, src = slots(dst_table, 0, n), slots(src_table, 0, n)
+    assert torch.equal(got[:, :, dst], whole[:, :, src])
+    untouched = torch.ones(slots_total, dtype=torch.bool)
+    untouched[dst] = False
+    assert not got[:, :, untouched].any()

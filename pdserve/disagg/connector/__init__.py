@@ -2,7 +2,8 @@
 
 The scheduler half lives in `pdserve.sched.remote_kv` (torch-free bookkeeping); this package is
 the worker half (moving bytes): `base` (the interface, the colocated no-op), `sender` (prefill),
-`receiver` (decode), and the transports `shm` and `tcp` behind one `KVTransport` protocol.
+`receiver` (decode), and the transports `shm` and `tcp` behind one `KVTransport` protocol
+(`device` and `cuda_ipc`: what changes when the caches are on a GPU).
 """
 
 from __future__ import annotations

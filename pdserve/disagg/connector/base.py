@@ -9,8 +9,9 @@ worker was built with (`pdserve.disagg.connector.make_connector`):
 - `ReceivingConnector` (decode role): exposes the cache to prefill workers and turns their signals
   into the scheduler's `RemoteKV` transitions.
 
-The bytes move through a `KVTransport` (`shm` on one host, `tcp` across hosts; a GPU transport
-would be a third), chosen in one place: `transport_for`.
+The bytes move through a `KVTransport` (`shm` on one host, `tcp` across hosts, `auto` either),
+chosen in one place: `transport_for`. Each works on a GPU cache too (`device.py`: copies ordered
+after their layer, rows staged through pinned memory; `cuda_ipc.py`: `shm` on a GPU).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from pdserve.ipc.messages import KVReceived, KVReservation, TransferStat
 from pdserve.request import Request
 from pdserve.types import EngineCoreOutput, KVTransportKind
 
-CacheFactory = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+# (shape, dtype, device) -> the KV cache, where a transport needs it to live
+CacheFactory = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 
 
 def seal(key: bytes, envelope: KVEnvelope, slots: bytes = b"", data_len: int = 0) -> bytes:

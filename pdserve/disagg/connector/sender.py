@@ -34,6 +34,7 @@ from pdserve.disagg.connector.base import (
     layout_of,
     seal,
 )
+from pdserve.disagg.connector.device import LayerOrder
 from pdserve.disagg.connector.stream import StreamChannel
 from pdserve.disagg.connector.transports import transport_for
 from pdserve.disagg.protocol import KVAborted, KVDest, KVDone, KVEnvelope, KVLayout, PeerEndpoint
@@ -107,6 +108,7 @@ class KVSender:
         self.epoch = secrets.randbits(63)
         self.seq = 0  # only the transfer thread sends
         self.own = kv_caches  # per layer [2, slots, H, D]
+        self.order = LayerOrder(kv_caches[0].device)  # a GPU's: copies after their layer
         self.block_size = block_size
         self.layout = layout
         self.bytes_per_token_layer = (
@@ -185,8 +187,9 @@ class KVSender:
                 t.started = time.perf_counter()
 
     def on_layer(self, layer: int) -> None:
+        mark = self.order.mark() if self.step_jobs else None
         for job in self.step_jobs:
-            self.jobs.put(("layer", layer, job, self.own[layer]))
+            self.jobs.put(("layer", layer, job, self.own[layer], mark))
 
     def ship_step(self, gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """After the forward, instead of layer by layer: a tensor-parallel worker's rows of
@@ -202,7 +205,7 @@ class KVSender:
             moved = LayerJob(job.request_id, job.peer_id, torch.from_numpy(src), job.dst,
                              job.transfer, _copy_runs(src, job.dst.numpy()))  # fmt: skip
             for layer in range(len(rows)):
-                self.jobs.put(("layer", layer, moved, rows[layer]))
+                self.jobs.put(("layer", layer, moved, rows[layer], None))
             at += n
         self.step_jobs = []
 
@@ -245,11 +248,15 @@ class KVSender:
             try:
                 kind = item[0]
                 if kind == "layer":
-                    _, layer, job, source = item
+                    _, layer, job, source, mark = item
                     peer = self.peers.get(job.peer_id)
                     if peer is not None:
                         t0 = time.perf_counter()
-                        peer.writer.write_layer(job, layer, source, peer.send)
+                        if mark is None:  # the CPU: done when it returns
+                            peer.writer.write_layer(job, layer, source, peer.send)
+                        else:
+                            with self.order.ordered(mark):
+                                peer.writer.write_layer(job, layer, source, peer.send)
                         job.transfer.busy_s += time.perf_counter() - t0
                 elif kind == "ctl":
                     _, peer_id, msg = item

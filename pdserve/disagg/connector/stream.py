@@ -35,6 +35,7 @@ import struct
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -68,7 +69,8 @@ def parse_address(address: str) -> tuple[str, int]:
 
 class StreamReceiver:
     def __init__(self, address: str, max_slots_bytes: int, max_rows_bytes: int,
-                 max_queued: int = 512 << 20, dropped: Counter | None = None) -> None:  # fmt: skip
+                 max_queued: int = 512 << 20, dropped: Counter | None = None,
+                 rows_buffer: Callable[[int], np.ndarray] | None = None) -> None:  # fmt: skip
         host, port = parse_address(address)
         self.listener = socket.create_server((host, port))
         self.address = f"tcp://{host}:{self.listener.getsockname()[1]}"
@@ -77,6 +79,8 @@ class StreamReceiver:
         self.queue: deque[tuple[socket.socket, list[memoryview]]] = deque()
         self.taken: list[tuple[socket.socket, list[memoryview]]] = []  # by the last `take`
         self.free: dict[int, list[np.ndarray]] = {}  # buffers to reuse, by size
+        # where a message's rows are read into (a GPU cache's receiver: pinned memory)
+        self.rows_buffer = rows_buffer or (lambda n: np.empty(n, dtype=np.uint8))
         self.pooled_bytes, self.max_pooled = 0, max_queued // 2
         self.queued_bytes = 0
         self.cond = threading.Condition()
@@ -177,7 +181,8 @@ class StreamReceiver:
                         or n_rows > self.max_rows_bytes):  # fmt: skip
                     self._end("oversized", f"{n_head} + {n_slots} + {n_rows} bytes")
                     return
-                parts = [_recv_exactly(conn, n, self._buffer(n)) for n in (n_head, n_slots, n_rows)]
+                parts = [_recv_exactly(conn, n, self._buffer(n, rows=i == 2))
+                         for i, n in enumerate((n_head, n_slots, n_rows))]  # fmt: skip
                 if any(p is None for p in parts):
                     self._end("truncated", "the connection ended inside a message")
                     return
@@ -201,13 +206,14 @@ class StreamReceiver:
                 self.conns.pop(conn, None)
             conn.close()
 
-    def _buffer(self, n: int) -> np.ndarray:
+    def _buffer(self, n: int, rows: bool = False) -> np.ndarray:
         with self.cond:
             pool = self.free.get(n)
             if pool:
                 self.pooled_bytes -= n
                 return pool.pop()
-        return np.empty(n, dtype=np.uint8)  # not zeroed: every byte is received
+        # not zeroed: every byte is received
+        return self.rows_buffer(n) if rows else np.empty(n, dtype=np.uint8)
 
     def _end(self, reason: str, detail: str) -> None:
         self.dropped[reason] += 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.disagg.connector.base import CacheFactory, LayerJob, Send
+from pdserve.disagg.connector.device import to_host
 from pdserve.disagg.connector.shm import ShmPeer, ShmTransport, reachable, shm_cache_factory
 from pdserve.disagg.connector.stream import stretch_start
 from pdserve.disagg.protocol import KVLayerHeader, PeerEndpoint
@@ -23,10 +24,14 @@ class TcpPeer:
 
     def write_layer(self, job: LayerJob, layer: int, own: torch.Tensor, send: Send) -> None:
         """The rows go out from where they lie when the request's slots are one stretch (the
-        K half, then the V half), else gathered first."""
+        K half, then the V half), else gathered first; from a GPU, through pinned memory."""
         n = len(job.src)
         start = stretch_start(job.src.numpy())
-        if start is not None:
+        if own.device.type != "cpu":
+            src = own[:, start : start + n] if start is not None else own.index_select(
+                1, job.src.to(own.device))  # fmt: skip
+            rows = [to_host(src).numpy()]
+        elif start is not None:
             rows = [own[0, start : start + n].numpy(), own[1, start : start + n].numpy()]
         else:
             rows = [own.index_select(1, job.src).numpy()]
@@ -44,9 +49,10 @@ class TcpTransport:
 
 
 class AutoTransport:
-    """`auto`: the decode worker's cache in shared memory and its channel on TCP streams; a
-    prefill worker on its host writes the rows in place (as `shm`), one elsewhere sends them on
-    the stream (as `tcp`). The signals take the stream either way."""
+    """`auto`: the decode worker's cache in shared memory (on a GPU: offered through CUDA IPC)
+    and its channel on TCP streams; a prefill worker on its host writes the rows in place (as
+    `shm`), one elsewhere sends them on the stream (as `tcp`). The signals take the stream
+    either way."""
 
     kind = KVTransportKind.AUTO
 
