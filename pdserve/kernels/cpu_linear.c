@@ -8,13 +8,15 @@
  * Written with GCC's portable vector types of the CPU's register width (vec.h: V floats, a
  * panel's 16 lanes in 16 / V of them).
  *
- * Layout: the weight is stored in panels of 16 output channels, k-major within a panel, so one
- * vector load gives one k for 16 channels. A thread takes PANELS panels (64 channels) and walks
- * k once per group of up to MR activation rows: each k's weight vectors are loaded once and
- * multiplied by every row's broadcast x[m, k] into MR x PANELS accumulators (no horizontal
- * sums). N is padded with zero channels to whole blocks of PANELS panels.
+ * Layout: the weight is stored in panels of 16 output channels, so one vector load gives one k
+ * for 16 channels, and the PANELS panels of a block (64 channels) side by side, k-major: a
+ * block is one stream from memory (as the quantized layouts are; four streams, one per panel,
+ * read 10% slower at one row). A thread takes whole blocks and walks k once per group of up to
+ * MR activation rows: each k's weight vectors are loaded once and multiplied by every row's
+ * broadcast x[m, k] into MR x PANELS accumulators (no horizontal sums). N is padded with zero
+ * channels to whole blocks.
  *
- * Panel p, k, lane j = W[16p + j, k]; an optional bias per output channel.
+ * Block b, k, panel h, lane j = W[64b + 16h + j, k]; an optional bias per output channel.
  * Threads come from the OpenMP runtime torch already loaded (the same soname), so they follow
  * torch.set_num_threads.
  */
@@ -45,11 +47,12 @@ static inline __attribute__((always_inline)) void f32_tile(
     vf acc[MR][PANELS * VP];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < np * VP; j++) acc[i][j] = (vf){0};
-    const float *wp = w + p0 * K * PW;
+    /* this tile's first panel in its block, at k = 0 */
+    const float *wp = w + (p0 / PANELS * K * PANELS + p0 % PANELS) * PW;
     for (int64_t k = 0; k < K; k++) {
         vf wv[PANELS * VP];  /* panel j / VP, lanes V (j % VP) .. */
         for (int j = 0; j < np * VP; j++)
-            wv[j] = load_f(wp + ((j / VP) * K + k) * PW + j % VP * V);
+            wv[j] = load_f(wp + (k * PANELS + j / VP) * PW + j % VP * V);
         for (int i = 0; i < mr; i++) {
             vf xv = splat(x[(m0 + i) * K + k]);
             for (int j = 0; j < np * VP; j++) acc[i][j] += xv * wv[j];

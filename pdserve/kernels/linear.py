@@ -4,7 +4,7 @@
 `f32_linear(x, w, bias, n)` computes `x @ W.T + bias` for float32 weights, `int8_linear(x, q,
 scale, n, k)` and `int4_linear(x, q, scale, n, k, group_size)` compute
 `quantize_activations(x) @ dequantize(weights).T`, all for float32 `x` of any leading shape, with
-the weights in the panel layouts of those files (`pdserve.models.packed_linear.to_panels` and
+the weights in the panel layouts of those files (`pdserve.models.packed_linear.to_blocks` and
 `pdserve.models.quant_linear` make them). The native kernel is built on first use (`build.py`); `available()` says whether it could
 be, and why not.
 """
@@ -49,8 +49,8 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def f32_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """x[..., K] @ W.T + bias for the float32 panels w[Np / 16, K, 16] of W[n, K] (and a bias
-    padded to Np, or None)."""
+    """x[..., K] @ W.T + bias for the float32 blocks w[Np / 64, K, 4, 16] of W[n, K]
+    (`pdserve.models.packed_linear.to_blocks`; and a bias padded to Np, or None)."""
     k = w.shape[1]
     rows = _rows(x, k)
     y = torch.empty(rows.shape[0], n, dtype=torch.float32)

@@ -52,6 +52,29 @@ def from_panels(p: torch.Tensor, n: int) -> torch.Tensor:
     return p.transpose(1, 2).reshape(-1, p.shape[1])[:n]
 
 
+def interleave(panels: torch.Tensor) -> torch.Tensor:
+    """[Np / 16, X, ...] -> [Np / 64, X, 4, ...]: the 4 panels of a thread's block side by side
+    along X, so the kernel reads a block as one stream (four streams a thread, one per panel,
+    read 10% slower in a single-row product on a Zen 5)."""
+    p = panels.shape[0]
+    per = BLOCK // PANEL
+    return panels.view(p // per, per, *panels.shape[1:]).transpose(1, 2).contiguous()
+
+
+def deinterleave(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.transpose(1, 2).flatten(0, 1)
+
+
+def to_blocks(t: torch.Tensor) -> torch.Tensor:
+    """[N, K] float32 -> the native kernel's [Np / 64, K, 4, 16]: block b, k, panel h, lane j
+    holds t[64b + 16h + j, k] (N padded with zero rows)."""
+    return interleave(to_panels(t))
+
+
+def from_blocks(b: torch.Tensor, n: int) -> torch.Tensor:
+    return from_panels(deinterleave(b), n)
+
+
 def native_available(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
     """(whether `NativeLinear` runs here, why not)."""
     if device.type != "cpu" or dtype != torch.float32:
@@ -65,7 +88,7 @@ class NativeLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.w = to_panels(weight.detach().float())
+        self.w = to_blocks(weight.detach().float())
         self.bias = None if bias is None else F.pad(bias.detach().float(), (0, -len(bias) % BLOCK))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]

@@ -27,7 +27,9 @@ from torch import nn
 
 from pdserve.kernels import linear as kernels
 from pdserve.models.packed_linear import BLOCK, PANEL
+from pdserve.models.packed_linear import deinterleave as _deinterleave
 from pdserve.models.packed_linear import from_panels as _from_panels
+from pdserve.models.packed_linear import interleave as _interleave
 from pdserve.models.packed_linear import to_panels as _to_panels
 
 GROUP_SIZES = (32, 64, 128)  # multiples of the activation block
@@ -49,17 +51,6 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(b * inv).clamp(-127, 127)
     return (q * (amax / 127.0)).flatten(-2)[..., :k]
-
-
-def _interleave(panels: torch.Tensor) -> torch.Tensor:
-    """[Np / 16, X, ...] -> [Np / 64, X, 4, ...]: the 4 panels of a thread's block side by side
-    along X, so the kernel reads a block as one stream."""
-    p = panels.shape[0]
-    return panels.view(p // PANELS, PANELS, *panels.shape[1:]).transpose(1, 2).contiguous()
-
-
-def _deinterleave(blocks: torch.Tensor) -> torch.Tensor:
-    return blocks.transpose(1, 2).flatten(0, 1)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

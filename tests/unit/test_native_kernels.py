@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from pdserve.kernels import attention as attn_kernel
 from pdserve.kernels import build
 from pdserve.models import kv_quant
-from pdserve.models.packed_linear import NativeLinear, from_panels
+from pdserve.models.packed_linear import NativeLinear, from_blocks
 
 # Where a compiler is present the kernels must build: a failed build fails these tests.
 needs_linear = needs_attention = pytest.mark.skipif(
@@ -33,7 +33,7 @@ def test_float32_kernel_matches_f_linear(n, k, rows, bias):
     b = randn(n, seed=2) if bias else None
     layer = NativeLinear(w, b)
     torch.testing.assert_close(layer(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    assert torch.equal(from_panels(layer.w, n), w)  # the panels hold the weight unchanged
+    assert torch.equal(from_blocks(layer.w, n), w)  # the panels hold the weight unchanged
 
 
 @needs_linear
