@@ -38,16 +38,19 @@ def map_cuda_cache(handle: CudaIpcHandle, layout: KVLayout, dtype: torch.dtype,
     if handle.size_bytes == 0 or handle.size_bytes % (row * itemsize):
         raise ValueError(f"a CUDA allocation of {handle.size_bytes} bytes is not a whole KV "
                          f"cache of {layout}")  # fmt: skip
-    storage = torch.UntypedStorage._new_shared_cuda(
-        handle.device,
-        handle.handle,
-        handle.size_bytes,
-        handle.offset_bytes,
-        handle.ref_counter_handle,
-        handle.ref_counter_offset,
-        handle.event_handle,
-        handle.event_sync_required,
-    )
+    try:  # torch caches opened handles: a second open in this process maps the same memory
+        storage = torch.UntypedStorage._new_shared_cuda(
+            handle.device,
+            handle.handle,
+            handle.size_bytes,
+            handle.offset_bytes,
+            handle.ref_counter_handle,
+            handle.ref_counter_offset,
+            handle.event_handle,
+            handle.event_sync_required,
+        )
+    except RuntimeError as e:  # gone (its worker died), or another GPU not reachable from here
+        raise ValueError(f"cannot open the decode worker's GPU cache: {e}") from None
     num_slots = handle.size_bytes // (row * itemsize)
     shape = (layout.num_layers, 2, num_slots, num_heads, layout.row_width)
     out = torch.empty(0, dtype=dtype, device=storage.device)
