@@ -79,9 +79,18 @@ static inline vi pairs(__m256i u, __m256i s) {
     return (vi)_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-/* dot4 for int4's codes (0..15): a pair is at most 2 x 15 x 127, far from saturating. */
-static inline vi dot4_small(vi acc, vi w, int32_t x4) {
-    return acc + pairs((__m256i)w, _mm256_set1_epi32(x4));
+/* int4's 8 inputs a lane (codes lo for inputs 0-3 with x0, hi for 4-7 with x1) added to 16-bit
+ * pair sums: a block's QB / 8 octets make QB / 4 = 8 byte-pair products of at most 2 x 15 x 128
+ * = 3840 each, 30720 in all, within int16; `widen` then adds the pairs into 32 bits once per
+ * block instead of once per product (`vpmaddwd` by ones: a quarter of them). */
+typedef int16_t vs __attribute__((vector_size(32)));
+_Static_assert(QB / 4 * 2 * 15 * 128 <= 32767, "int4 pair sums of a block must fit int16");
+static inline vs dot8_int4(vs acc, vi lo, vi hi, int32_t x0, int32_t x1) {
+    return acc + (vs)_mm256_maddubs_epi16((__m256i)lo, _mm256_set1_epi32(x0))
+               + (vs)_mm256_maddubs_epi16((__m256i)hi, _mm256_set1_epi32(x1));
+}
+static inline vi widen(vs acc) {
+    return (vi)_mm256_madd_epi16((__m256i)acc, _mm256_set1_epi16(1));
 }
 
 /* For int8's codes (w + 128, up to 255) a pair could reach 2 x 255 x 127 and saturate, so this
@@ -95,9 +104,13 @@ static inline vi dot4_centred(vi acc, vi w, int32_t x4) {
 }
 #define INT8_OFFSET 0
 #else
-#define dot4_small dot4
 #define dot4_centred dot4
 #define INT8_OFFSET 128 /* dot4 sums code x x: take the offset's 128 x sum x back out */
+typedef vi vs; /* 32-bit sums throughout */
+static inline vs dot8_int4(vs acc, vi lo, vi hi, int32_t x0, int32_t x1) {
+    return dot4(dot4(acc, lo, x0), hi, x1);
+}
+static inline vi widen(vs acc) { return acc; }
 #endif
 
 static inline vi load_i(const void *p) { vi v; memcpy(&v, p, sizeof v); return v; }
@@ -263,9 +276,9 @@ static inline __attribute__((always_inline)) void int4_tile(
             mw[j] = load_half(sp + ((g * 2 + 1) * PANELS + j / VP) * PW + j % VP * V);
         }
         for (int64_t b = g * per_group; b < (g + 1) * per_group; b++) {
-            vi dot[MR][PANELS * VP];
+            vs dot[MR][PANELS * VP];
             for (int i = 0; i < mr; i++)
-                for (int j = 0; j < np * VP; j++) dot[i][j] = (vi){0};
+                for (int j = 0; j < np * VP; j++) dot[i][j] = (vs){0};
             for (int64_t c = b * (QB / 8); c < (b + 1) * (QB / 8); c++) {
                 vi lo[PANELS * VP], hi[PANELS * VP];
                 for (int j = 0; j < np * VP; j++) {
@@ -277,14 +290,14 @@ static inline __attribute__((always_inline)) void int4_tile(
                     const int8_t *xq = a->q + (m0 + i) * Kp + 8 * c;
                     int32_t x0 = quad(xq), x1 = quad(xq + 4);
                     for (int j = 0; j < np * VP; j++)
-                        dot[i][j] = dot4_small(dot4_small(dot[i][j], lo[j], x0), hi[j], x1);
+                        dot[i][j] = dot8_int4(dot[i][j], lo[j], hi[j], x0, x1);
                 }
             }
             for (int i = 0; i < mr; i++) {
                 float sx = a->scale[(m0 + i) * nb + b];
                 vf xsum = splat(sx * (float)a->corr[(m0 + i) * nb + b]);  /* sx * sum_k xq */
                 for (int j = 0; j < np * VP; j++)
-                    acc[i][j] += __builtin_convertvector(dot[i][j], vf) * (sw[j] * sx)
+                    acc[i][j] += __builtin_convertvector(widen(dot[i][j]), vf) * (sw[j] * sx)
                                  + mw[j] * xsum;
             }
         }
