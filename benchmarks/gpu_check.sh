@@ -10,12 +10,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ "${1:-}" = "--prepare" ]; then
-  mkdir -p .git/info .whl .gpu
+  rm -rf .whl && mkdir -p .git/info .whl .gpu
   for d in /.whl/ /.gpu/; do grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >>.git/info/exclude; done
   # the GPU image's Python is 3.12; these are what pdserve needs beyond its packages
   python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --platform manylinux_2_27_x86_64 -d .whl \
+    --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 -d .whl \
     msgspec pyzmq llguidance fastapi starlette uvicorn pydantic pydantic-core \
     annotated-types typing-inspection typing-extensions opentelemetry-api
   rm -rf .gpu/stories260K && cp -r ../shared/models/stories260K .gpu/
