@@ -3,6 +3,7 @@
     pdserve profile --model DIR --output prof.json    # ~6 minutes
     python benchmarks/sim_accuracy_bench.py --profile prof.json --output acc.json   # ~30 minutes
     python benchmarks/sim_accuracy_bench.py --reanalyze acc.json
+    python benchmarks/sim_accuracy_bench.py --resimulate acc.json --profile prof.json --output b.json
 
 For each workload x deployment, the requests are sent to `pdserve serve` (as disagg_bench.py
 does: a random llama-125m by default, float32, one deployment at a time on a quiet machine) and
@@ -29,7 +30,10 @@ profile must have been measured with the same):
                      --max-num-batched-tokens 2048 (not in the default set)
 
 Each measured run waits for a quiet machine (no other benchmark, test or pdserve process) and
-runs again when disturbed, as the other serving benchmarks do.
+runs again when disturbed, as the other serving benchmarks do. `--resimulate FILE` keeps a saved
+run's measured side and simulates the same requests again with `--profile` (seconds, not half an
+hour): how a change to the simulator or the profile moves its error against the same
+measurements.
 """
 
 from __future__ import annotations
@@ -220,6 +224,8 @@ def main() -> None:
     p.add_argument("--attempts", type=int, default=2)
     p.add_argument("--output", help="write everything (per-request records too) as JSON")
     p.add_argument("--reanalyze", metavar="FILE", help="print the table of a saved --output")
+    p.add_argument("--resimulate", metavar="FILE",
+                   help="simulate a saved --output's requests again with --profile")  # fmt: skip
     a = p.parse_args()
     if a.reanalyze:
         print_table(json.loads(Path(a.reanalyze).read_text())["entries"])
@@ -227,6 +233,9 @@ def main() -> None:
     if not a.profile:
         p.error("--profile is required (pdserve profile --model DIR --output FILE)")
     profile = Profile.load(a.profile)
+    if a.resimulate:
+        resimulate(a, profile)
+        return
     model = a.model or ensure_125m(DEFAULT_125M)
     tok = HFPromptTokenizer(load_tokenizer(model))
     workdir = Path(tempfile.mkdtemp(prefix="sim_accuracy-"))
@@ -274,6 +283,33 @@ def main() -> None:
             "profile": profile.to_dict(),
             "entries": entries,
         }
+        Path(a.output).write_text(json.dumps(res, indent=1))
+        print(f"wrote {a.output}")
+
+
+def resimulate(a, profile: Profile) -> None:
+    """A saved run's measured records against a new simulation of the same requests."""
+    saved = json.loads(Path(a.resimulate).read_text())
+    args = argparse.Namespace(**saved["args"])
+    model = args.model or ensure_125m(DEFAULT_125M)
+    tok = HFPromptTokenizer(load_tokenizer(model))
+    entries = []
+    for e in saved["entries"]:
+        if e.get("error") is None or not e.get("records"):
+            continue
+        specs, _ = workload(e["workload"], args, tok)
+        records = [RequestRecord.from_dict(r) for r in e["records"]]
+        sim_records, wall, sim_steps = simulate(e["serve"][2:], model, specs, records, profile)
+        entry = {**e, "simulated": figures(sim_records), "sim_wall_s": wall,
+                 "sim_requests_per_s": len(specs) / wall if wall else None,
+                 "steps": {**e.get("steps", {}), "simulated": sim_steps},
+                 "sim_records": [r.to_dict() for r in sim_records]}  # fmt: skip
+        entry["error"] = compare(entry["measured"], entry["simulated"])
+        entries.append(entry)
+    print_table(entries)
+    if a.output:
+        res = {**saved, "profile": profile.to_dict(), "entries": entries,
+               "resimulated": {"from": a.resimulate, "code": code_info()}}  # fmt: skip
         Path(a.output).write_text(json.dumps(res, indent=1))
         print(f"wrote {a.output}")
 
