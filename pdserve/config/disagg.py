@@ -79,7 +79,8 @@ class DisaggConfig:
         KVTransportKind.SHM,
         help="how KV moves from prefill to decode workers (shm: one host; tcp: across hosts; "
         "auto: tcp, with the rows written in shared memory where the two share a host; "
-        "with --ray-address shm becomes tcp, auto stays)",
+        "with --ray-address shm becomes tcp, auto stays; on a GPU shm is CUDA IPC and tcp "
+        "stages through pinned memory)",
     )
     kv_host: str = setting("127.0.0.1", help="address decode workers bind their TCP KV channel to")
     kv_transfer_timeout_s: float = setting(
