@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels import linear as kernels
-from pdserve.models.packed_linear import BLOCK, PANEL
+from pdserve.models.packed_linear import BLOCK
 from pdserve.models.packed_linear import deinterleave as _deinterleave
 from pdserve.models.packed_linear import from_panels as _from_panels
 from pdserve.models.packed_linear import interleave as _interleave
@@ -34,7 +34,6 @@ from pdserve.models.packed_linear import to_panels as _to_panels
 
 GROUP_SIZES = (32, 64, 128)  # multiples of the activation block
 ACT_BLOCK = 32  # input features per activation scale
-PANELS = BLOCK // PANEL  # panels per thread's block
 
 
 def _pad_k(t: torch.Tensor, multiple: int, value: float = 0) -> torch.Tensor:
