@@ -55,13 +55,15 @@ def wait_for(cond, timeout=10.0):
 
 
 HAS_CUDA = torch.cuda.is_available()
-ON_GPU = pytest.param(
-    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
-)
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
+# On a GPU in one process only the stream: CUDA IPC opens no handle in the process that exported
+# it (`test_cuda_ipc_between_processes` covers shm there).
+DEVICE_TRANSPORTS = [("cpu", t) for t in ("shm", "tcp", "auto", "auto-elsewhere")] + [
+    pytest.param("cuda", t, marks=GPU, id=f"cuda-{t}") for t in ("tcp", "auto-elsewhere")
+]
 
 
-@pytest.mark.parametrize("device", ["cpu", ON_GPU])
-@pytest.mark.parametrize("transport", ["shm", "tcp", "auto", "auto-elsewhere"])
+@pytest.mark.parametrize(("device", "transport"), DEVICE_TRANSPORTS)
 @pytest.mark.parametrize(
     "tables",
     [
@@ -75,8 +77,6 @@ def test_sender_writes_exactly_the_new_rows(tmp_path, device, transport, tables,
     from this host, and sent on the stream from elsewhere (another host id). On a GPU both
     caches are in device memory: the rows leave through pinned memory on the stream (in place
     from this host is CUDA IPC, which needs two processes: `test_cuda_ipc_between_processes`)."""
-    if device == "cuda" and transport in ("shm", "auto"):
-        pytest.skip("CUDA IPC opens no handle in the process that exported it")
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     slots_total = NUM_BLOCKS * BLOCK
