@@ -25,7 +25,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -186,9 +185,8 @@ def main() -> None:
         results["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
         run_check(results, "pytest_gpu", check_pytest)
     run_check(results, "vs_transformers", check_vs_transformers, a.model, a.device, a.new_tokens)
-    with tempfile.TemporaryDirectory(prefix="pdserve-gpu-check-") as tmp:
-        logs = Path(a.output).resolve().parent if a.output else Path(tmp)
-        run_check(results, "serving", check_serving, a.model, a.device, a.new_tokens, logs)
+    logs = Path(a.output).resolve().parent  # the servers' logs go beside the results
+    run_check(results, "serving", check_serving, a.model, a.device, a.new_tokens, logs)
     results["passed"] = all(c.get("passed") for c in results["checks"].values())
     Path(a.output).write_text(json.dumps(results, indent=2))
     print(f"all passed: {results['passed']}; written to {a.output}")

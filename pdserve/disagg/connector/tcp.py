@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.disagg.connector.base import CacheFactory, LayerJob, Send
-from pdserve.disagg.connector.device import to_host
+from pdserve.disagg.connector.device import to_device, to_host
 from pdserve.disagg.connector.shm import ShmPeer, ShmTransport, reachable, shm_cache_factory
 from pdserve.disagg.connector.stream import stretch_start
 from pdserve.disagg.protocol import KVLayerHeader, PeerEndpoint
@@ -29,7 +29,7 @@ class TcpPeer:
         start = stretch_start(job.src.numpy())
         if own.device.type != "cpu":
             src = own[:, start : start + n] if start is not None else own.index_select(
-                1, job.src.to(own.device))  # fmt: skip
+                1, to_device(job.src, own.device))  # fmt: skip
             rows = [to_host(src).numpy()]
         elif start is not None:
             rows = [own[0, start : start + n].numpy(), own[1, start : start + n].numpy()]
