@@ -54,8 +54,10 @@ class Server:
         log_path: str | Path,
         timeout_s: float = 300.0,
         prefix: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
+        self.env = None if env is None else {**os.environ, **env}  # added to this process' own
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.cmd = [*(prefix or []), "pdserve", "serve", *args, "--port", str(self.port)]
         self.cmd += ["--log-level", "warning"]
@@ -77,6 +79,7 @@ class Server:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             cwd=Path(self.log_path).parent,
+            env=self.env,
         )
         deadline = time.monotonic() + self.timeout_s
         while True:

@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pdserve.frontend.api import build_app
     from pdserve.frontend.guard import GuardedH11Protocol
+    from pdserve.heap import freeze_startup_heap
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -105,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
             h11_max_incomplete_event_size=config.max_header_bytes,
         )
     )
+    freeze_startup_heap()  # what startup built lives as long as the server: out of GC's walks
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully

@@ -27,6 +27,7 @@ import zmq
 
 from pdserve.config import EngineArgs
 from pdserve.engine.cpu_placement import parse_cpu_set, run_on
+from pdserve.heap import freeze_startup_heap
 from pdserve.ipc.channel import (
     BadFrame,
     Decoder,
@@ -112,6 +113,9 @@ class Worker:
 
         self.core = core = EngineCore(self.args, connector=self.connector)
         runner, mc = core.runner, core.model_config
+        # The engine lives as long as the process: out of the collector's walks, and the one
+        # full collection that takes (~200 ms) done before the frontend counts this worker in.
+        freeze_startup_heap()
         self.send(
             WorkerInfo(
                 worker_id=self.worker_id,

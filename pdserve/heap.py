@@ -1,0 +1,39 @@
+"""The garbage collector in long-running processes: what exists before the work starts is
+frozen out of the collector's walks.
+
+CPython's full (generation 2) collection walks every tracked object. A served process holds
+about 300,000 of them once it has started (torch, transformers, FastAPI, the tokenizer), and a
+full collection of that heap takes 100-250 ms on a 2-core machine; the interpreter starts one
+whenever the objects promoted since the last exceed a quarter of the heap, which under load
+every request's short-lived objects do. In the frontend that stopped the event loop, and so
+every stream, for up to 180 ms six times in 35 s; in `pdserve bench`'s client it delayed the
+token timestamps it measures by as much (docs/PERFORMANCE.md, "The garbage collector under
+load"). Frozen objects sit in a permanent generation that no collection walks; what the work
+creates is collected as before, and full collections walk only that.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+def freeze_startup_heap() -> int:
+    """Collect, then freeze every surviving object for the rest of the process; returns how
+    many were frozen. For a server process once it has started (the frontend, an engine
+    worker, a tensor-parallel rank), never for library code: freezing is process-wide."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Within the block, collections walk only the objects created in it; after it, everything
+    is collected as before (the frozen objects return to the oldest generation)."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
