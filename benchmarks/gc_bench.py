@@ -9,8 +9,8 @@ the deployment (a `sitecustomize` that times each collection through `gc.callbac
 the same closed-loop load from this process (`--num-requests` prompts of `--input-len` tokens,
 `--output-len` outputs, `--concurrency` at once; this checkout's client, its heap frozen as
 `pdserve bench` freezes it), and reports per run the load's throughput and latency tails and,
-per process, the full (generation 2) collections that ran during the load: how many, their
-total and longest pause. The default model is the tiny stories260K: its steps are short, so
+per process, the collections that ran during the load: the full (generation 2) ones, how many,
+their total and longest pause, and the young ones (generations 0 and 1) of 0.5 ms or more. The default model is the tiny stories260K: its steps are short, so
 the frontend does the most work per second and makes the most garbage.
 """
 
@@ -42,9 +42,10 @@ _start = [0.0]
 def _probe(phase, info):
     if phase == "start":
         _start[0] = time.perf_counter()
-    elif info["generation"] == 2:
-        _out.write(json.dumps({"t": time.time(), "ms": (time.perf_counter() - _start[0]) * 1e3})
-                   + "\\n")
+    else:
+        ms = (time.perf_counter() - _start[0]) * 1e3
+        if info["generation"] == 2 or ms >= 0.5:
+            _out.write(json.dumps({"t": time.time(), "g": info["generation"], "ms": ms}) + "\\n")
 gc.callbacks.append(_probe)
 """
 
@@ -57,13 +58,16 @@ def process_name(argv: list[str]) -> str:
     return "frontend" if "serve" in argv else "other"
 
 
-def pauses(probe_dir: Path, t0: float, t1: float) -> dict[str, list[float]]:
-    """Full-collection pauses (ms) per process kind between t0 and t1."""
-    out: dict[str, list[float]] = {}
+def pauses(probe_dir: Path, t0: float, t1: float) -> dict[str, dict[str, list[float]]]:
+    """Collection pauses (ms) between t0 and t1 per process kind: "full" (generation 2, every
+    one) and "young" (generations 0 and 1, those of 0.5 ms or more)."""
+    out: dict[str, dict[str, list[float]]] = {}
     for path in probe_dir.glob("*.jsonl"):
         lines = [json.loads(x) for x in path.read_text().splitlines()]
-        name = process_name(lines[0]["argv"])
-        out.setdefault(name, []).extend(x["ms"] for x in lines[1:] if t0 <= x["t"] <= t1)
+        mine = out.setdefault(process_name(lines[0]["argv"]), {"full": [], "young": []})
+        for x in lines[1:]:
+            if t0 <= x["t"] <= t1:
+                mine["full" if x["g"] == 2 else "young"].append(x["ms"])
         path.unlink()
     return out
 
@@ -113,8 +117,10 @@ def main() -> None:
             r = {"checkout": name, "round": rnd, **one_run(path, a, prompts, workdir)}
             runs.append(r)
             gc_text = "; ".join(
-                f"{proc} {len(ms)} full collections, {sum(ms):.0f} ms, longest {max(ms, default=0):.0f}"
-                for proc, ms in sorted(r["gc"].items())
+                f"{proc}: {len(g['full'])} full collections {sum(g['full']):.0f} ms "
+                f"(longest {max(g['full'], default=0):.0f}), young {sum(g['young']):.0f} ms "
+                f"(longest {max(g['young'], default=0):.0f})"
+                for proc, g in sorted(r["gc"].items())
             )
             print(
                 f"round {rnd} {name:5s}: {r['req_per_s']:6.1f} req/s, TTFT p50/p99 "
@@ -125,7 +131,7 @@ def main() -> None:
     for name in checkouts:
         mine = [r for r in runs if r["checkout"] == name]
         med = {k: statistics.median(r[k] for r in mine) for k in ("req_per_s", "ttft_p99_ms")}
-        fe = [sum(r["gc"].get("frontend", [])) for r in mine]
+        fe = [sum(r["gc"].get("frontend", {}).get("full", [])) for r in mine]
         print(
             f"{name}: median {med['req_per_s']:.1f} req/s, TTFT p99 {med['ttft_p99_ms']:.0f} ms, "
             f"frontend full-collection time per run {statistics.median(fe):.0f} ms"

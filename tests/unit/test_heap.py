@@ -6,7 +6,7 @@ import weakref
 
 import pytest
 
-from pdserve.heap import freeze_startup_heap, frozen_heap
+from pdserve.heap import YOUNG_THRESHOLD, freeze_startup_heap, frozen_heap
 
 
 def walked(obj) -> bool:
@@ -17,8 +17,10 @@ def walked(obj) -> bool:
 @pytest.fixture
 def unfrozen():
     assert gc.get_freeze_count() == 0, "another test left the heap frozen"
+    threshold = gc.get_threshold()
     yield
     gc.unfreeze()
+    gc.set_threshold(*threshold)
 
 
 def test_frozen_heap_walks_only_what_the_block_creates(unfrozen):
@@ -50,7 +52,9 @@ def test_freeze_startup_heap_collects_garbage_first(unfrozen):
     cycle.self = cycle  # only the collector can free it
     gone = weakref.ref(cycle)
     del cycle
+    older = gc.get_threshold()[1:]
     frozen = freeze_startup_heap()
     assert frozen == gc.get_freeze_count() > 0
     assert gone() is None  # collected, not frozen for the process' life
     assert not walked(live)
+    assert gc.get_threshold() == (YOUNG_THRESHOLD, *older)
