@@ -2,18 +2,19 @@
 frozen out of the collector's walks.
 
 CPython's full (generation 2) collection walks every tracked object. A served process holds
-about 300,000 of them once it has started (torch, transformers, FastAPI, the tokenizer), and a
-full collection of that heap takes 100-250 ms on a 2-core machine; the interpreter starts one
-whenever the objects promoted since the last exceed a quarter of the heap, which under load
-every request's short-lived objects do. In the frontend that stopped the event loop, and so
-every stream, for up to 180 ms six times in 35 s; in `pdserve bench`'s client it delayed the
-token timestamps it measures by as much (docs/PERFORMANCE.md, "The garbage collector under
-load"). Frozen objects sit in a permanent generation that no collection walks; what the work
-creates is collected as before, and full collections walk only that.
+about 300,000 of them once it has started (transformers, FastAPI and the tokenizer in the
+frontend; torch and the engine in a worker), and a full collection of that heap takes 100-250
+ms on a 2-core machine; the interpreter starts one whenever the objects promoted since the last
+exceed a quarter of the heap, which under load every request's short-lived objects do. In the
+frontend that stopped the event loop, and so every stream, for up to 210 ms six or seven times
+in 30 s; in `pdserve bench`'s client it delayed the token timestamps it measures by up to 130
+ms (docs/PERFORMANCE.md, "The garbage collector under load"). Frozen objects sit in a permanent
+generation that no collection walks; what the work creates is collected as before, and full
+collections walk only that.
 
 A server also collects its youngest generation less often (`YOUNG_THRESHOLD` net new container
 objects instead of CPython's 700): requests' objects are freed by their reference counts, so
-the frequent young collections walked mostly live in-flight state, 340-490 ms of the frontend's
+the frequent young collections walked mostly live in-flight state, 420-490 ms of the frontend's
 CPU per 30 s of load; at 50,000 that load takes one, of 19-35 ms.
 """
 
