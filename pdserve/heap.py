@@ -41,10 +41,12 @@ def freeze_startup_heap() -> int:
 @contextmanager
 def frozen_heap() -> Iterator[None]:
     """Within the block, collections walk only the objects created in it; after it, everything
-    is collected as before (the frozen objects return to the oldest generation). Not nested:
-    the inner block's end unfreezes everything."""
+    is collected as before (the frozen objects return to the oldest generation). In a process
+    whose heap is already frozen (a server's, an enclosing block's) what was frozen stays so."""
+    already = gc.get_freeze_count() > 0
     gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if not already:
+            gc.unfreeze()

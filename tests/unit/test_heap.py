@@ -42,6 +42,15 @@ def test_frozen_heap_ends_when_the_block_raises(unfrozen):
     assert walked(before)
 
 
+def test_frozen_heap_leaves_an_enclosing_freeze_alone(unfrozen):
+    before = [[1]]
+    with frozen_heap():
+        with frozen_heap():
+            pass
+        assert not walked(before)  # the outer block still holds it frozen
+    assert walked(before)
+
+
 class Node:
     pass
 
