@@ -297,6 +297,13 @@ class EngineArgs:
         "step (which needs the native matmul and attention kernels; see "
         "pdserve/models/fused_decode.py)",
     )
+    warmup: bool = setting(
+        True,
+        flag="no-warmup",
+        help="skip the startup forward pass of one full step (the token budget's prompt tokens "
+        "and max-num-seqs decodes) that makes the first requests' steps as fast as later ones "
+        "(see ModelRunner.warm_up)",
+    )
     quantization: str = setting(
         "none",
         choices=("none", "int8", "int4"),

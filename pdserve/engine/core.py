@@ -8,13 +8,14 @@ loop: plan, execute, update; it also records the step's phase statistics.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import weakref
 from concurrent.futures import Future
 
 from pdserve.config import EngineArgs, ModelConfig
 from pdserve.disagg.connector.base import KVConnector
-from pdserve.engine import cpu_placement
+from pdserve.engine import c_heap, cpu_placement
 from pdserve.engine.cpu_placement import PlacementMonitor
 from pdserve.engine.stats import StepStats, StepStatsRecorder
 from pdserve.kv.manager import KVCacheManager
@@ -25,6 +26,8 @@ from pdserve.sched.scheduler import Scheduler
 from pdserve.structured.matcher import GrammarCompiler
 from pdserve.types import EngineCoreOutput, RequestStatus, SamplingParams
 from pdserve.validation import EngineLimits
+
+logger = logging.getLogger(__name__)
 
 
 def place_threads(args: EngineArgs) -> PlacementMonitor | None:
@@ -86,6 +89,12 @@ class EngineCore:
         )
         if self.runner.tp is not None:
             weakref.finalize(self, self.runner.tp.close)
+        c_heap.keep_freed_memory()  # before the warm-up, whose memory the steps then reuse
+        if args.warmup:
+            tokens = min(sched_config.max_num_batched_tokens, max_len)
+            took = self.runner.warm_up(tokens, sched_config.max_num_seqs)
+            logger.info("warmed up in %.2f s (%d prompt tokens, %d decodes)", took, tokens,
+                        sched_config.max_num_seqs)  # fmt: skip
         self.offload = None  # BlockMover, with --kv-offload
         tiers = build_stack(self)
         self.kv = KVCacheManager(

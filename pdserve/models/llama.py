@@ -71,6 +71,14 @@ class Attention(nn.Module):
         return out if self.reduce is None else self.reduce(out)
 
 
+# Bytes of gate/up activations one CPU chunk of the MLP may produce. glibc's malloc maps a
+# fresh zeroed region for every block over 32 MiB and hands it back on free, so an unchunked
+# 2048-token prefill of llama-125m (a 48 MiB gate/up output per layer) page-faulted ~12,000
+# times per layer, every step; chunks under this size are reused from the heap and stay nearer
+# the caches (docs/PERFORMANCE.md, "Prefill in MLP chunks").
+MLP_CHUNK_BYTES = 16 << 20
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -78,11 +86,21 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.reduce = None  # tensor parallel: sums down_proj's partial rows over the ranks
+        # rows per chunk on the CPU, a multiple of 64 (tensor parallel ranks have fewer columns
+        # than this assumes: their chunks are smaller than they need be, no more)
+        row_bytes = 2 * cfg.intermediate_size * 4
+        self.chunk_rows = max(64, MLP_CHUNK_BYTES // row_bytes // 64 * 64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        out = self.down_proj(F.silu(gate).mul_(up))
+        if x.device.type == "cpu" and x.shape[0] > self.chunk_rows:
+            out = torch.cat([self._gated(c) for c in x.split(self.chunk_rows)])
+        else:
+            out = self._gated(x)
         return out if self.reduce is None else self.reduce(out)
+
+    def _gated(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):

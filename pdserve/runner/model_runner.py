@@ -8,6 +8,7 @@ only for the rows that sample, and samples them: one host sync per step for the 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -384,6 +385,29 @@ class ModelRunner:
                     noise.exponential_(generator=gen)
             req.runner_state = gen
         return SamplingRow(params, req.runner_state, req.prompt_token_ids, req.output_token_ids)
+
+    def warm_up(self, num_tokens: int, num_seqs: int) -> float:
+        """One forward of a full step's prompt tokens (`num_tokens`, as chunks of at most 256)
+        and one of `num_seqs` decode rows, with their logits; returns the seconds it took.
+
+        The first step at a size pays for its memory: every activation buffer is new to the
+        allocator and page-faults as it is first written, which made the first 2,048-token step
+        of a served llama-125m 1.8 s where later ones take 1.3 (docs/PERFORMANCE.md, "Prefill in
+        MLP chunks"). Run at startup, the first request's step does not pay it. The tokens
+        write block 0's slots, which hold nothing yet; no request, block or statistic is
+        touched."""
+        t0 = time.perf_counter()
+        span = min(256, self.max_model_len)
+        runs, left = [], num_tokens
+        while left > 0:
+            n = min(span, left)
+            runs.append(([0] * -(-n // self.block_size), 0, [0] * n))
+            left -= n
+        for batch in (runs, [([0], 0, [0])] * num_seqs):  # as `execute` runs them
+            input_ids, positions, meta, last_row = self.layout(batch)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            self.model.compute_logits(hidden[torch.tensor(last_row, device=self.device)])
+        return time.perf_counter() - t0
 
     # ---- the step ------------------------------------------------------------------------
     def execute(self, plan: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepResult:

@@ -288,3 +288,28 @@ def test_no_max_tokens_runs_to_the_kv_capacity(stories_path):
     with pytest.raises(ValueError, match="exceed the KV cache"):
         small.generate(["Once upon a time"], SamplingParams(max_tokens=200))
     small.engine.core.kv.pool.check_whole()
+
+
+def test_startup_warm_up_leaves_no_trace(stories_path):
+    """The warm-up forward at startup (on by default) holds no block, records no step, caches
+    no prefix and changes no output: a run after it is token for token a run without it (block
+    0, whose slots the warm-up wrote, is the first one the requests get)."""
+    prompts = ["Once upon a time", "The cat sat on the mat and", "Lily went to the park"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for warmup in (True, False):
+        engine = LLMEngine(EngineArgs(model=stories_path, warmup=warmup))
+        core = engine.core
+        assert core.last_step is None
+        assert core.kv.num_free_blocks() == core.kv.num_blocks and not core.kv.pool.cached
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        assert 0 in core.kv.pool.free_queue and next(iter(core.kv.pool.free_queue)) == 0
+        done = {}
+        while engine.has_unfinished:
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        outputs[warmup] = done
+        core.kv.pool.check_whole()
+    assert outputs[True] == outputs[False] and len(outputs[True]) == len(prompts)

@@ -132,12 +132,19 @@ def test_prefix_cache_hits_match_transformers(arch, tiny_models, references):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_prefill_logits_match_transformers_forward(arch, tiny_models, hf_models):
+@pytest.mark.parametrize("mlp_chunk_rows", [None, 16], ids=["mlp_whole", "mlp_chunked"])
+def test_prefill_logits_match_transformers_forward(arch, mlp_chunk_rows, tiny_models, hf_models):
     prompt = make_prompts(hf_models[arch].config.vocab_size, seed=1)[2]
     with torch.no_grad():
         ref = hf_models[arch](torch.tensor([prompt])).logits[0]  # [L, V]
     llm = LLM(tiny_models[arch])
     runner = llm.engine.core.runner
+    if mlp_chunk_rows:  # the MLP in row chunks, as a long CPU prefill runs it
+        assert len(prompt) > 2 * mlp_chunk_rows
+        for layer in runner.model.layers:
+            layer.mlp.chunk_rows = mlp_chunk_rows
+    else:
+        assert all(len(prompt) <= layer.mlp.chunk_rows for layer in runner.model.layers)
     n = len(prompt)
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n), prefills=[PrefillChunk(0, n, None, None)]

@@ -53,6 +53,7 @@ SAMPLES = {
         linear_backend="torch",
         attention_backend="sdpa",
         enforce_eager=True,
+        warmup=False,
         speculative_method="draft",  # both drafts: refused when an engine starts, not here
         draft_model="draft",
         draft_layers=2,
