@@ -4,12 +4,12 @@ A step's activations are a few hundred MB of tensors that torch allocates and fr
 glibc's malloc. By default glibc returns the free top of its heap to the kernel once it exceeds
 a threshold that adapts to the largest block freed so far, and maps any block over another
 adaptive threshold fresh from the kernel; either way the next step's first writes page-fault
-again. A served llama-125m took 42,000-52,000 page faults in a 2,048-token prefill step that ran
-1.41-1.75 s, against none and 1.26-1.36 s with the settings below (docs/PERFORMANCE.md, "Prefill
-in MLP chunks"). `keep_freed_memory` fixes both thresholds: blocks up to `MMAP_THRESHOLD` come
-from the heap, and the heap is trimmed only when `TRIM_THRESHOLD` of it lies free at the top.
-The cost is that the process keeps its peak activation memory mapped. glibc only: elsewhere
-(macOS, musl) nothing changes.
+again. llama-125m's 2,048-token prefill steps took up to 52,000 page faults and 1.41-1.75 s
+each, against none and 1.26-1.36 s with the settings below (docs/PERFORMANCE.md,
+"Prefill without page faults"). `keep_freed_memory` fixes both thresholds: blocks up to
+`MMAP_THRESHOLD` come from the heap, and the heap is trimmed only when `TRIM_THRESHOLD` of it
+lies free at the top. The cost is that the process keeps its peak activation memory mapped.
+glibc only: elsewhere (macOS, musl) nothing changes.
 """
 
 from __future__ import annotations

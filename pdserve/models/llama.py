@@ -75,7 +75,7 @@ class Attention(nn.Module):
 # fresh zeroed region for every block over 32 MiB and hands it back on free, so an unchunked
 # 2048-token prefill of llama-125m (a 48 MiB gate/up output per layer) page-faulted ~12,000
 # times per layer, every step; chunks under this size are reused from the heap and stay nearer
-# the caches (docs/PERFORMANCE.md, "Prefill in MLP chunks").
+# the caches (docs/PERFORMANCE.md, "Prefill without page faults").
 MLP_CHUNK_BYTES = 16 << 20
 
 
