@@ -15,7 +15,6 @@ glibc only: elsewhere (macOS, musl) nothing changes.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import logging
 

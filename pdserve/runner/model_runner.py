@@ -391,12 +391,12 @@ class ModelRunner:
         and one of `num_seqs` decode rows, with their logits; returns the seconds it took.
 
         The first step at a size pays for its memory: every activation buffer is new to the
-        allocator and page-faults as it is first written (8,900-51,500 faults in the first
-        2,048-token step of llama-125m, 1.4-1.8 s where later ones take 1.3;
-        docs/PERFORMANCE.md, "Prefill without page faults"). Run at startup, after
-        `engine.c_heap.keep_freed_memory`, it leaves that memory mapped for the first request's
-        step. The tokens write block 0's slots, which hold nothing yet; no request, block or
-        statistic is touched."""
+        allocator and page-faults as it is first written. Run at startup, after
+        `engine.c_heap.keep_freed_memory`, the warm-up leaves that memory mapped for the first
+        request's step (the first load of `benchmarks/prefill_bench.py` took 171,000-219,000
+        faults before these changes and the MLP's chunks, 200-8,400 after; docs/PERFORMANCE.md,
+        "Prefill without page faults"). The tokens write block 0's slots, which hold nothing
+        yet; no request, block or statistic is touched."""
         t0 = time.perf_counter()
         span = min(256, self.max_model_len)
         runs, left = [], num_tokens
