@@ -395,8 +395,8 @@ class ModelRunner:
         `engine.c_heap.keep_freed_memory`, the warm-up leaves that memory mapped for the first
         request's step (the first load of `benchmarks/prefill_bench.py` took 171,000-219,000
         faults before these changes and the MLP's chunks, 200-8,400 after; docs/PERFORMANCE.md,
-        "Prefill without page faults"). The tokens write block 0's slots, which hold nothing
-        yet; no request, block or statistic is touched."""
+        "Prefill without page faults"). Its K/V go to a scratch copy of block 0; no request,
+        block, cache row or statistic is touched."""
         t0 = time.perf_counter()
         span = min(256, self.max_model_len)
         runs, left = [], num_tokens
@@ -404,9 +404,13 @@ class ModelRunner:
             n = min(span, left)
             runs.append(([0] * -(-n // self.block_size), 0, [0] * n))
             left -= n
+        # the slots of block 0 in a scratch cache, so the real one stays untouched (a decode
+        # worker's is shared with its prefill workers); tensor-parallel followers, driven by
+        # the same forward, write block 0 of theirs, which no request holds yet
+        scratch = [torch.zeros_like(c[:, : self.block_size]) for c in self.kv_caches]
         for batch in (runs, [([0], 0, [0])] * num_seqs):  # as `execute` runs them
             input_ids, positions, meta, last_row = self.layout(batch)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            hidden = self.model(input_ids, positions, scratch, meta)
             self.model.compute_logits(hidden[torch.tensor(last_row, device=self.device)])
         return time.perf_counter() - t0
 
