@@ -86,8 +86,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.reduce = None  # tensor parallel: sums down_proj's partial rows over the ranks
-        # rows per chunk on the CPU, a multiple of 64 (tensor parallel ranks have fewer columns
-        # than this assumes: their chunks are smaller than they need be, no more)
+        # rows per chunk on the CPU, a multiple of 64, sized for float32 activations (a rank of
+        # tensor parallelism has fewer columns, half precision fewer bytes: their chunks are
+        # smaller than they need be, no more)
         row_bytes = 2 * cfg.intermediate_size * 4
         self.chunk_rows = max(64, MLP_CHUNK_BYTES // row_bytes // 64 * 64)
 
