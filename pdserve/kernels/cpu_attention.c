@@ -1,4 +1,5 @@
-/* Decode attention over the paged KV cache, read in place.
+/* Attention over the paged KV cache, read in place: decode (one query token per sequence) and
+ * prefill (a chunk of query tokens per sequence, causal).
  *
  * Each decoding sequence has one query token per head and attends to its whole context, whose
  * keys and values lie in the cache's slots in block order. The torch path gathers a padded copy
@@ -16,12 +17,18 @@
  * 8 vectors each) and the exponentials are vectorized; the G heads re-read the task's rows from
  * the cache (L1/L2), never from memory twice. Other head sizes take a plain
  * loop.
+ *
+ * Prefill is compute-bound: a chunk of Lq query tokens against its Lk keys is two products,
+ * scores = Q K^T and out = softmax(scores) V, which run on the matrix products' register tile
+ * (tile.h) after the task's keys and values are copied out of the cache into its layout (see
+ * pd_prefill_attention).
  */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 
 #include "kernels.h"
+#include "tile.h"
 #include "vec.h"
 
 /* Head sizes up to NV_MAX vectors take task_vec. */
@@ -61,27 +68,6 @@ static inline float row_scale(const int8_t *row, int64_t d) {
     float s;
     memcpy(&s, row + d, sizeof s);
     return s;
-}
-
-/* e^x for x <= 0 (scores minus their maximum), 16 at a time: x = n ln2 + r with |r| <= ln2 / 2,
- * e^r by the polynomial of Cephes' expf (relative error ~1e-7), 2^n by the exponent bits. */
-static inline vf exp_neg(vf x) {
-    const vi low = x < -87.0f; /* lanes all ones where true: below -87, e^x is under normals */
-    x = (vf)(((vi)x & ~low) | ((vi)splat(-87.0f) & low));
-    const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    vf n = (x * 1.44269504f + magic) - magic;
-    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-    vf scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
 }
 
 /* softmax of sc[0 .. len) in place. */
@@ -231,5 +217,153 @@ int pd_decode_attention(const float *q, int64_t q_stride, int64_t nd, int64_t hq
         }
         free(scores);
     }
+    return failed ? -1 : 0;
+}
+
+/* ---- prefill ---------------------------------------------------------------------------- */
+
+#define QB 64 /* query rows per task: the rows that share one copy of the task's keys and values */
+
+/* Row l of a context's keys or values for KV head h as floats (int8 rows times their scale). */
+static inline void load_row(const void *cache, int kv_int8, int64_t slot, int64_t hkv, int64_t h,
+                            int64_t d, float *dst, int64_t dst_stride) {
+    if (kv_int8) {
+        const int8_t *r = (const int8_t *)cache + (slot * hkv + h) * (d + 4);
+        const float s = row_scale(r, d);
+        for (int64_t i = 0; i < d; i++) dst[i * dst_stride] = (float)r[i] * s;
+    } else {
+        const float *r = (const float *)cache + (slot * hkv + h) * d;
+        for (int64_t i = 0; i < d; i++) dst[i * dst_stride] = r[i];
+    }
+}
+
+/* Scale, mask and softmax row `row` of a tile's scores in place: the first n of its w scores
+ * (the keys it may see) become probabilities, the rest zeros. */
+static void softmax_masked(float *sc, int64_t n, int64_t w, float scale) {
+    float top = -INFINITY;
+    for (int64_t l = 0; l < n; l++) top = sc[l] > top ? sc[l] : top;
+    top *= scale;
+    vf acc = {0};
+    int64_t l = 0;
+    for (; l + V <= n; l += V) {
+        vf e = exp_neg(load_f(sc + l) * scale - top);
+        store_f(sc + l, e);
+        acc += e;
+    }
+    float sum = hsum(acc);
+    for (; l < n; l++) sum += (sc[l] = expf(sc[l] * scale - top));
+    const vf inv = splat(1.0f / sum);
+    for (l = 0; l + V <= n; l += V) store_f(sc + l, load_f(sc + l) * inv);
+    for (; l < n; l++) sc[l] *= inv[0];
+    for (; l < w; l++) sc[l] = 0;
+}
+
+/* One task: query rows [r0, r1) of a chunk, the G query heads of KV head h.
+ * kp: the keys [0, nk) as blocks of 64 keys (tile.h's layout: block, dim, 16-key panels);
+ * vp: the values as blocks of 64 dims, each [nk keys][64]; sc: MR rows of scores. */
+static void prefill_task(const float *q, int64_t q_stride, float *out, int64_t out_stride,
+                         int64_t past, int64_t r0, int64_t r1, int64_t g, int64_t h, int64_t d,
+                         float scale, const float *kp, const float *vp, int64_t nk, float *sc,
+                         int64_t sc_stride) {
+    for (int64_t j = 0; j < g; j++) {
+        const int64_t head = h * g + j;
+        for (int64_t m0 = r0; m0 < r1; m0 += MR) {
+            const int mr = (int)(r1 - m0 < MR ? r1 - m0 : MR);
+            const int64_t ks = past + m0 + mr; /* keys the tile's last row sees */
+            const float *qt = q + m0 * q_stride + head * d;
+            for (int64_t kb = 0; kb * PANELS * PW < ks; kb++) /* scores = Q K^T */
+                TILE_ROWS(mr, qt, q_stride, d, kp + kb * d * PANELS * PW, NULL, 0,
+                          ks - kb * PANELS * PW, sc + kb * PANELS * PW, sc_stride, 0)
+            for (int i = 0; i < mr; i++)
+                softmax_masked(sc + i * sc_stride, past + m0 + i + 1, ks, scale);
+            float *ot = out + m0 * out_stride + head * d;
+            for (int64_t db = 0; db * PANELS * PW < d; db++) /* out = P V */
+                TILE_ROWS(mr, sc, sc_stride, ks, vp + db * nk * PANELS * PW, NULL, 0,
+                          d - db * PANELS * PW, ot + db * PANELS * PW, out_stride, 0)
+        }
+    }
+}
+
+/* Causal attention of prefill chunks over the paged cache, whose rows for every query token
+ * are already written. Chunk c is chunks[4c .. 4c + 4) = (first query row, query rows Lq,
+ * context length Lk, offset of its slots): its queries are rows [first, first + Lq) of q
+ * (token t's heads at q + t * q_stride, a head's d floats contiguous), the last Lq of its Lk
+ * positions, and slots[offset .. offset + Lk) are the cache slots of its keys in order; query
+ * i sees keys [0, Lk - Lq + i]. out[t * out_stride + head * d ..] gets each query's heads.
+ * Chunks and slots out of range (of n_tokens rows, n_slots slots, cache_slots cache rows) are
+ * refused before any work. Tasks of up to QB query rows of one chunk and one KV head go to
+ * torch's threads; each copies the keys and values its rows see out of the cache (dequantized
+ * for int8) into the tile's layout once for its G query heads, then runs its rows MR at a
+ * time: the scores tile by tile of 64 keys, an exact softmax per row (the keys past its
+ * position masked), the output. Returns -1 when out of memory, -2 for a bad shape or index. */
+int pd_prefill_attention(const float *q, int64_t q_stride, int64_t n_tokens,
+                         const int64_t *chunks, int64_t n_chunks, const int64_t *slots,
+                         int64_t n_slots, int64_t hq, int64_t hkv, int64_t d,
+                         const void *k_cache, const void *v_cache, int64_t cache_slots,
+                         int kv_int8, float scale, float *out, int64_t out_stride) {
+    if (hkv <= 0 || hq % hkv != 0 || d <= 0) return -2;
+    const int64_t g = hq / hkv, blk = PANELS * PW;
+    int64_t max_ctx = 1, n_tasks = 0;
+    for (int64_t c = 0; c < n_chunks; c++) {
+        const int64_t *ch = chunks + 4 * c;
+        if (ch[0] < 0 || ch[1] < 1 || ch[0] + ch[1] > n_tokens || ch[2] < ch[1] || ch[3] < 0 ||
+            ch[3] + ch[2] > n_slots)
+            return -2;
+        for (int64_t l = 0; l < ch[2]; l++)
+            if (slots[ch[3] + l] < 0 || slots[ch[3] + l] >= cache_slots) return -2;
+        max_ctx = ch[2] > max_ctx ? ch[2] : max_ctx;
+        n_tasks += hkv * ((ch[1] + QB - 1) / QB);
+    }
+    /* task t: its chunk, and its index among the chunk's tasks (row block, KV head) */
+    int64_t *tasks = malloc(sizeof(int64_t) * (size_t)(2 * n_tasks + 1));
+    if (!tasks) return -1;
+    for (int64_t c = 0, t = 0; c < n_chunks; c++)
+        for (int64_t i = 0; i < hkv * ((chunks[4 * c + 1] + QB - 1) / QB); i++, t++) {
+            tasks[2 * t] = c;
+            tasks[2 * t + 1] = i;
+        }
+    const int64_t kcap = round_up(max_ctx, blk), dcap = round_up(d, blk);
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *kp = malloc(sizeof(float) * (size_t)(kcap * d));
+        float *vp = malloc(sizeof(float) * (size_t)(kcap * dcap));
+        float *sc = malloc(sizeof(float) * (size_t)(MR * kcap));
+        if (!kp || !vp || !sc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic)
+        for (int64_t t = 0; t < n_tasks; t++) {
+            if (!kp || !vp || !sc) continue;
+            const int64_t *ch = chunks + 4 * tasks[2 * t];
+            const int64_t lq = ch[1], past = ch[2] - lq, *sl = slots + ch[3];
+            const int64_t h = tasks[2 * t + 1] % hkv, r0 = tasks[2 * t + 1] / hkv * QB;
+            const int64_t r1 = r0 + QB < lq ? r0 + QB : lq;
+            const int64_t nk = past + r1, nkb = (nk + blk - 1) / blk;
+            /* keys: block b, dim i, key lane -> kp[(b * d + i) * blk + lane]; zeros past nk */
+            for (int64_t l = 0; l < nkb * blk; l++) {
+                float *dst = kp + (l / blk) * d * blk + l % blk;
+                if (l < nk)
+                    load_row(k_cache, kv_int8, sl[l], hkv, h, d, dst, blk);
+                else
+                    for (int64_t i = 0; i < d; i++) dst[i * blk] = 0;
+            }
+            /* values: dim block b, key l, lane -> vp[(b * nk + l) * blk + lane]; zeros past d */
+            for (int64_t l = 0; l < nk; l++) {
+                float row[dcap];
+                memset(row + d, 0, sizeof(float) * (size_t)(dcap - d));
+                load_row(v_cache, kv_int8, sl[l], hkv, h, d, row, 1);
+                for (int64_t b = 0; b < dcap / blk; b++)
+                    memcpy(vp + (b * nk + l) * blk, row + b * blk, sizeof(float) * blk);
+            }
+            prefill_task(q + ch[0] * q_stride, q_stride, out + ch[0] * out_stride, out_stride,
+                         past, r0, r1, g, h, d, scale, kp, vp, nk, sc, kcap);
+        }
+        free(kp);
+        free(vp);
+        free(sc);
+    }
+    free(tasks);
     return failed ? -1 : 0;
 }

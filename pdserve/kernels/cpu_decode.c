@@ -19,6 +19,7 @@
 #include <stdlib.h>
 
 #include "kernels.h"
+#include "rows.h"
 #include "vec.h"
 
 enum { PD_F32 = 0, PD_INT8 = 1, PD_INT4 = 2 };
@@ -71,30 +72,6 @@ static int linear(const pd_linear_t *W, const float *x, int64_t m, float *y) {
     return rc;
 }
 
-/* out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i] over n values. */
-static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float *out) {
-    vf acc = {0};
-    int64_t i = 0;
-    for (; i + V <= n; i += V) {
-        vf v = load_f(x + i);
-        acc += v * v;
-    }
-    float ss = hsum(acc);
-    for (; i < n; i++) ss += x[i] * x[i];
-    const float r = 1.0f / sqrtf(ss / (float)n + eps);
-    for (i = 0; i < n; i++) out[i] = x[i] * r * w[i];
-}
-
-/* Rotate-half rotary embedding of one head in place: pairs (i, i + d/2). */
-static void rotate(float *v, const float *c, const float *s, int64_t d) {
-    const int64_t h = d / 2;
-    for (int64_t i = 0; i < h; i++) {
-        const float x1 = v[i], x2 = v[i + h];
-        v[i] = x1 * c[i] - x2 * s[i];
-        v[i + h] = x2 * c[i] + x1 * s[i];
-    }
-}
-
 /* One token's K or V head into its cache row: float32 as is, int8 as kv_quant.quantize_rows. */
 static void store_row(void *cache, int64_t row, const float *x, int64_t d, int int8) {
     if (!int8) {
@@ -121,15 +98,16 @@ int pd_decode_layer(const pd_layer_t *L, const pd_step_t *S, float *x) {
     float *gu = att + nd * hq * d, *act = gu + nd * 2 * inter, *out = act + nd * inter;
     int rc;
 
-    for (int64_t t = 0; t < nd; t++) rmsnorm(x + t * hid, L->in_norm, hid, L->eps, h + t * hid);
+    for (int64_t t = 0; t < nd; t++)
+        rmsnorm_row(x + t * hid, L->in_norm, hid, L->eps, h + t * hid);
     if ((rc = linear(&L->qkv, h, nd, qkv))) return rc;
     for (int64_t t = 0; t < nd; t++) {
         float *row = qkv + t * qkvw;
         const float *c = S->cos + S->positions[t] * (d / 2), *s = S->sin + S->positions[t] * (d / 2);
         for (int64_t j = 0; j < hq + hkv; j++) {
             float *head = row + j * d;
-            if (L->q_norm) rmsnorm(head, j < hq ? L->q_norm : L->k_norm, d, L->eps, head);
-            rotate(head, c, s, d);
+            if (L->q_norm) rmsnorm_row(head, j < hq ? L->q_norm : L->k_norm, d, L->eps, head);
+            rotate_row(head, c, s, d);
         }
         for (int64_t j = 0; j < hkv; j++) {
             const int64_t cache_row = S->new_slots[t] * hkv + j;
@@ -142,13 +120,11 @@ int pd_decode_layer(const pd_layer_t *L, const pd_step_t *S, float *x) {
     if (rc || (rc = linear(&L->o, att, nd, out))) return rc;
     for (int64_t i = 0; i < nd * hid; i++) x[i] += out[i];
 
-    for (int64_t t = 0; t < nd; t++) rmsnorm(x + t * hid, L->post_norm, hid, L->eps, h + t * hid);
+    for (int64_t t = 0; t < nd; t++)
+        rmsnorm_row(x + t * hid, L->post_norm, hid, L->eps, h + t * hid);
     if ((rc = linear(&L->gate_up, h, nd, gu))) return rc;
-    for (int64_t t = 0; t < nd; t++) {
-        const float *g = gu + t * 2 * inter, *u = g + inter;
-        float *a = act + t * inter;
-        for (int64_t i = 0; i < inter; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
+    for (int64_t t = 0; t < nd; t++)
+        silu_mul_row(gu + t * 2 * inter, gu + t * 2 * inter + inter, inter, act + t * inter);
     if ((rc = linear(&L->down, act, nd, out))) return rc;
     for (int64_t i = 0; i < nd * hid; i++) x[i] += out[i];
     return 0;

@@ -73,4 +73,26 @@ static inline float hsum(vf v) {
 }
 #endif
 
+/* e^x for x <= 0 (attention scores less their maximum; -|x| for a sigmoid), V lanes at a time:
+ * x = n ln2 + r with |r| <= ln2 / 2, e^r by the polynomial of Cephes' expf (relative error
+ * ~1e-7), 2^n by the exponent bits. */
+static inline vf exp_neg(vf x) {
+    const vi low = x < -87.0f; /* lanes all ones where true: below -87, e^x is under normals */
+    x = (vf)(((vi)x & ~low) | ((vi)splat(-87.0f) & low));
+    const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    vf n = (x * 1.44269504f + magic) - magic;
+    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    vf scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
 #endif

@@ -42,6 +42,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_ctx] bool
     decode_lens: torch.Tensor | None = None  # [num_decodes] long: each decode's context length
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # what a backend derives from this metadata once per step, for all layers to share
+    derived: dict = field(default_factory=dict)
 
 
 class AttentionBackend(Protocol):
@@ -83,9 +85,24 @@ class PagedSDPABackend:
         nd = meta.num_decodes
         if nd:
             out[:nd] = self.decode(q[:nd], kv_cache, meta)
+        out = out.view(num_tokens, num_heads * head_dim)
+        if meta.prefills:
+            self.prefill_all(q, k, v, kv_cache, meta, out)
+        return out
+
+    def prefill_all(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,  # [T, Hq * D]: the chunks' rows are written
+    ) -> None:
+        hd = q.shape[1] * q.shape[2]
         for chunk in meta.prefills:
-            out[chunk.q_start : chunk.q_end] = self.prefill(q, k, v, kv_cache, chunk)
-        return out.view(num_tokens, num_heads * head_dim)
+            o = self.prefill(q, k, v, kv_cache, chunk)
+            out[chunk.q_start : chunk.q_end] = o.reshape(-1, hd)
 
     def decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -128,10 +145,12 @@ class PagedSDPABackend:
         return op[0].transpose(0, 1)
 
 
-class NativeDecodeBackend(PagedSDPABackend):
-    """Decodes by pdserve's CPU kernel (`pdserve/kernels/cpu_attention.c`), which reads each
-    context's rows in the paged cache where they lie, float32 or int8, with no gathered copy and
-    no padding; prefill chunks as the default backend."""
+class NativeBackend(PagedSDPABackend):
+    """pdserve's CPU kernels (`pdserve/kernels/cpu_attention.c`), which read each context's rows
+    in the paged cache where they lie, float32 or int8, with no gathered copy and no padding:
+    decodes in one call per layer, and every prefill chunk of the step in one call per layer
+    (on the matrix products' register tile; SDPA ran the 2,048-token steps of
+    `benchmarks/prefill_bench.py` at a third of it)."""
 
     name = "native"
 
@@ -141,6 +160,24 @@ class NativeDecodeBackend(PagedSDPABackend):
         return native_kernel.decode_attention(
             q, kv_cache[0], kv_cache[1], meta.decode_slots, meta.decode_lens
         )
+
+    def prefill_all(self, q, k, v, kv_cache, meta, out) -> None:
+        chunks, slots = meta.derived.get("native_prefill") or _chunk_table(meta)
+        meta.derived["native_prefill"] = (chunks, slots)
+        native_kernel.prefill_attention(q, kv_cache[0], kv_cache[1], chunks, slots, out)
+
+
+def _chunk_table(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's prefill chunks as `prefill_attention` takes them: rows of (first query row,
+    query rows, context length, offset of its slots), and every chunk's context slots in one
+    tensor (a chunk with no earlier context: its own new tokens' slots)."""
+    rows, parts, offset = [], [], 0
+    for c in meta.prefills:
+        ctx = meta.slot_mapping[c.q_start : c.q_end] if c.ctx_slots is None else c.ctx_slots
+        rows.append((c.q_start, c.q_end - c.q_start, len(ctx), offset))
+        parts.append(ctx)
+        offset += len(ctx)
+    return torch.tensor(rows, dtype=torch.int64), torch.cat(parts).contiguous()
 
 
 def make_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
@@ -156,7 +193,7 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype) -> Attenti
     else:
         ok, why = native_kernel.available()
     if not why:
-        return NativeDecodeBackend()
+        return NativeBackend()
     if name == "native":
         raise ValueError(f"invalid attention_backend='native': {why}")
     return PagedSDPABackend()

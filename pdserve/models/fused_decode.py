@@ -7,7 +7,7 @@ cache, so a step costs what its weights take to stream. Steps with a prefill chu
 it cannot take, run through the modules as before (`LlamaForCausalLM.forward`).
 
 It takes a model whose projections are all native (`NativeLinear`, or native `Int8Linear` /
-`Int4Linear`), whose attention backend is `NativeDecodeBackend`, on the CPU in float32, with no
+`Int4Linear`), whose attention backend is `NativeBackend`, on the CPU in float32, with no
 forward hooks on its layers (they need the layer-by-layer path); `--enforce-eager` turns it off.
 """
 
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from pdserve.kernels import decode as native
-from pdserve.models.attention import AttentionMetadata, NativeDecodeBackend
+from pdserve.models.attention import AttentionMetadata, NativeBackend
 from pdserve.models.packed_linear import NativeLinear
 from pdserve.models.quant_linear import Int4Linear, Int8Linear
 
@@ -50,7 +50,7 @@ class FusedDecode:
         ok, why = native.available()
         if not ok:
             return None, why
-        if not isinstance(model.attn_backend, NativeDecodeBackend):
+        if not isinstance(model.attn_backend, NativeBackend):
             return None, f"attention backend {model.attn_backend.name} is not the native one"
         cfg = model.config
         layers = []

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.config import ModelConfig
+from pdserve.kernels import layer as native_ops
 from pdserve.models.attention import AttentionBackend, AttentionMetadata, PagedSDPABackend
 from pdserve.models.rope import RotaryEmbedding
 
@@ -23,8 +24,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.native = False  # pdserve's CPU kernel (`use_native_ops`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return native_ops.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Half precision: normalise in float32 as the reference does, then scale.
@@ -47,6 +51,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.reduce = None  # tensor parallel: sums o_proj's partial rows over the ranks
+        self.native = False  # rotary embedding by pdserve's CPU kernel (`use_native_ops`)
 
     def forward(
         self,
@@ -63,10 +68,11 @@ class Attention(nn.Module):
         q, k, v = qkv.split([hq, hkv, hkv], dim=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-            qk = rope.apply(torch.cat([q, k], dim=1), *cos_sin)
-        else:
-            qk = rope.apply(qkv[:, : hq + hkv], *cos_sin)  # q and k rotated in one pass
-        q, k = qk.split([hq, hkv], dim=1)
+            q, k = rope.apply(torch.cat([q, k], dim=1), *cos_sin).split([hq, hkv], dim=1)
+        elif self.native:  # q and k rotated where they lie, in the projection's output
+            native_ops.rope_(qkv, hq + hkv, *cos_sin)
+        else:  # q and k rotated in one pass
+            q, k = rope.apply(qkv[:, : hq + hkv], *cos_sin).split([hq, hkv], dim=1)
         out = self.o_proj(backend.forward(q, k, v, kv_cache, meta))
         return out if self.reduce is None else self.reduce(out)
 
@@ -91,6 +97,7 @@ class MLP(nn.Module):
         # smaller than they need be, no more)
         row_bytes = 2 * cfg.intermediate_size * 4
         self.chunk_rows = max(64, MLP_CHUNK_BYTES // row_bytes // 64 * 64)
+        self.native = False  # the activation by pdserve's CPU kernel (`use_native_ops`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.shape[0] > self.chunk_rows:
@@ -100,7 +107,10 @@ class MLP(nn.Module):
         return out if self.reduce is None else self.reduce(out)
 
     def _gated(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        gate_up = self.gate_up_proj(x)  # [T, 2I]: gate, then up
+        if self.native:
+            return self.down_proj(native_ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
@@ -169,3 +179,16 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:  # tied
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
+
+
+def use_native_ops(model: nn.Module) -> int:
+    """Run the layers' per-token operations (RMSNorm, the rotary embedding, the MLP's
+    activation) on pdserve's CPU kernels (`pdserve/kernels/cpu_layer.c`): one pass over the rows
+    each, where torch makes several, and the rotary embedding in place. For a float32 model on
+    the CPU whose kernels build; returns how many modules it switched."""
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, Attention, MLP)):
+            module.native = True
+            switched += 1
+    return switched

@@ -107,7 +107,8 @@ def load_model(
 ) -> nn.Module:
     """Build and fill the model. `linear_backend`: "torch" (F.linear), "native" (pdserve's
     kernel, CPU float32), "onednn" (prepacked weights, CPU float32), or "auto" (the first of
-    native and onednn that works here). `attn_backend`: how its layers
+    native and onednn that works here; but for "torch", the norms, rotary embedding and MLP
+    activation run on the native kernels too where they build). `attn_backend`: how its layers
     attend (None: the model's default, `PagedSDPABackend`). `quantization`: "int8" or "int4"
     replaces every linear layer (the tied output head included) by its weight-only quantized
     form, whatever `linear_backend` says; int4 calibrated on `calibration_tokens` tokens the
@@ -170,7 +171,25 @@ def load_model(
         quantize_linears(model, quantization, group_size, device, dtype, tokens, max_len)
     else:
         _select_linear_backend(model, linear_backend, device, dtype)
+    if linear_backend != "torch" or quantization != "none":
+        _select_layer_ops(model, device, dtype)
     return model.eval()
+
+
+def _select_layer_ops(model: nn.Module, device, dtype) -> None:
+    """The layers' per-token operations on pdserve's CPU kernels where they run (float32 on the
+    CPU, a compiler here); torch's otherwise, and with `linear_backend="torch"`, which keeps the
+    whole float32 model on torch's ops."""
+    from pdserve.kernels.build import available
+    from pdserve.models.llama import use_native_ops
+
+    if device.type != "cpu" or dtype != torch.float32:
+        return
+    ok, why = available()
+    if not ok:
+        logger.warning("the native layer kernels are unavailable (%s): torch's ops", why)
+        return
+    use_native_ops(model)
 
 
 def quantize_linears(

@@ -111,6 +111,8 @@ def test_every_kernel_backend_matches_transformers(arch, kernels, tiny_models, r
     layer = {"torch": "Linear", "onednn": "PackedLinear", "native": "NativeLinear"}
     assert type(model.layers[0].mlp.down_proj).__name__ == layer[linear_backend]
     assert model.attn_backend.name == {"sdpa": "paged_sdpa"}.get(attention_backend, "native")
+    # norms, rotary embedding and MLP activation: native kernels with any but torch's matmuls
+    assert model.layers[0].mlp.native == model.norm.native == (linear_backend != "torch")
     outs = llm.generate(prompts, GREEDY)
     for out, (ref_tokens, ref_lps) in zip(outs, refs):
         assert out.token_ids == ref_tokens
