@@ -282,14 +282,15 @@ class EngineArgs:
         choices=("auto", "native", "onednn", "torch"),
         help="matmul kernels (CPU float32): pdserve's own (native, built with cc at first use), "
         "oneDNN with weights prepacked at load, or torch's F.linear; auto takes the first of "
-        "native and onednn that works here (see pdserve/models/packed_linear.py)",
+        "native and onednn that works here (see pdserve/models/packed_linear.py); with all but "
+        "torch, RMSNorm, rotary and the MLP activation run on pdserve's kernels too",
     )
     attention_backend: str = setting(
         "auto",
         choices=("auto", "native", "sdpa"),
-        help="decode attention: pdserve's CPU kernel that reads the paged cache in place "
-        "(native, CPU float32, built with cc at first use) or SDPA over a gathered copy (sdpa); "
-        "auto takes native where it runs (see pdserve/models/attention.py)",
+        help="decode and prefill attention: pdserve's CPU kernels that read the paged cache in "
+        "place (native, CPU float32, built with cc at first use) or SDPA over gathered copies "
+        "(sdpa); auto takes native where it runs (see pdserve/models/attention.py)",
     )
     enforce_eager: bool = setting(
         False,

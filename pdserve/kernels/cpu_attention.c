@@ -237,25 +237,31 @@ static inline void load_row(const void *cache, int kv_int8, int64_t slot, int64_
     }
 }
 
-/* Scale, mask and softmax row `row` of a tile's scores in place: the first n of its w scores
- * (the keys it may see) become probabilities, the rest zeros. */
-static void softmax_masked(float *sc, int64_t n, int64_t w, float scale) {
-    float top = -INFINITY;
-    for (int64_t l = 0; l < n; l++) top = sc[l] > top ? sc[l] : top;
-    top *= scale;
-    vf acc = {0};
+/* Scale, mask and exponentiate one row of a tile's scores in place: the first n of its w
+ * scores (the keys it may see) become e^(scale * score - their maximum), the rest zeros.
+ * Returns 1 / the sum of the n, which the row's output is scaled by (d values, not n). */
+static float softmax_masked(float *sc, int64_t n, int64_t w, float scale) {
+    vf vtop = splat(-INFINITY);
     int64_t l = 0;
     for (; l + V <= n; l += V) {
+        const vf v = load_f(sc + l);
+        const vi up = v > vtop;
+        vtop = (vf)(((vi)v & up) | ((vi)vtop & ~up));
+    }
+    float top = -INFINITY;
+    for (int i = 0; i < V; i++) top = vtop[i] > top ? vtop[i] : top;
+    for (; l < n; l++) top = sc[l] > top ? sc[l] : top;
+    top *= scale; /* scale > 0 */
+    vf acc = {0};
+    for (l = 0; l + V <= n; l += V) {
         vf e = exp_neg(load_f(sc + l) * scale - top);
         store_f(sc + l, e);
         acc += e;
     }
     float sum = hsum(acc);
     for (; l < n; l++) sum += (sc[l] = expf(sc[l] * scale - top));
-    const vf inv = splat(1.0f / sum);
-    for (l = 0; l + V <= n; l += V) store_f(sc + l, load_f(sc + l) * inv);
-    for (; l < n; l++) sc[l] *= inv[0];
     for (; l < w; l++) sc[l] = 0;
+    return 1.0f / sum;
 }
 
 /* One task: query rows [r0, r1) of a chunk, the G query heads of KV head h.
@@ -274,12 +280,19 @@ static void prefill_task(const float *q, int64_t q_stride, float *out, int64_t o
             for (int64_t kb = 0; kb * PANELS * PW < ks; kb++) /* scores = Q K^T */
                 TILE_ROWS(mr, qt, q_stride, d, kp + kb * d * PANELS * PW, NULL, 0,
                           ks - kb * PANELS * PW, sc + kb * PANELS * PW, sc_stride, 0)
+            float inv[MR];
             for (int i = 0; i < mr; i++)
-                softmax_masked(sc + i * sc_stride, past + m0 + i + 1, ks, scale);
+                inv[i] = softmax_masked(sc + i * sc_stride, past + m0 + i + 1, ks, scale);
             float *ot = out + m0 * out_stride + head * d;
-            for (int64_t db = 0; db * PANELS * PW < d; db++) /* out = P V */
+            for (int64_t db = 0; db * PANELS * PW < d; db++) /* out = e V, then / sum */
                 TILE_ROWS(mr, sc, sc_stride, ks, vp + db * nk * PANELS * PW, NULL, 0,
                           d - db * PANELS * PW, ot + db * PANELS * PW, out_stride, 0)
+            for (int i = 0; i < mr; i++) {
+                float *row = ot + i * out_stride;
+                int64_t c = 0;
+                for (; c + V <= d; c += V) store_f(row + c, load_f(row + c) * inv[i]);
+                for (; c < d; c++) row[c] *= inv[i];
+            }
         }
     }
 }
