@@ -55,7 +55,9 @@ def f32_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: i
     rows = _rows(x, k)
     y = torch.empty(rows.shape[0], n, dtype=torch.float32)
     b = 0 if bias is None else bias.data_ptr()
-    _lib().pd_f32_linear(rows.data_ptr(), rows.shape[0], k, w.data_ptr(), b, n, y.data_ptr())
+    rc = _lib().pd_f32_linear(rows.data_ptr(), rows.shape[0], k, w.data_ptr(), b, n, y.data_ptr())
+    if rc != 0:
+        raise MemoryError("f32_linear: no memory for its buffers")
     return y.view(*x.shape[:-1], n)
 
 

@@ -54,6 +54,50 @@ static inline __attribute__((always_inline)) void f32_tile(
     }
 }
 
+/* c[m0 + i][0 .. PANELS * PW) += x[m0 + i, 0 .. K) . (the K values of k of one block's
+ * panels at w), for one tile of mr rows: the accumulators come from c (row stride ldc) and go
+ * back to it, so that a block's products can be summed over slices of k. With pf, each k also
+ * prefetches lines pf_first, pf_first + pf_step, ... of the same k at pf (the next slice). */
+static inline __attribute__((always_inline)) void f32_tile_acc(
+    const float *x, int64_t ldx, int64_t K, const float *w, const float *pf, int pf_first,
+    int pf_step, float *c, int64_t ldc, int64_t m0, const int mr, const int p0, const int np) {
+    vf acc[MR][PANELS * VP];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < np * VP; j++)
+            acc[i][j] = load_f(c + (m0 + i) * ldc + (p0 + j / VP) * PW + j % VP * V);
+    const float *wp = w + p0 * PW;
+    for (int64_t k = 0; k < K; k++) {
+        vf wv[PANELS * VP];
+        for (int l = pf_first; pf && l < PANELS; l += pf_step)
+            __builtin_prefetch(pf + (k * PANELS + l) * PW);
+        for (int j = 0; j < np * VP; j++)
+            wv[j] = load_f(wp + (k * PANELS + j / VP) * PW + j % VP * V);
+        for (int i = 0; i < mr; i++) {
+            vf xv = splat(x[(m0 + i) * ldx + k]);
+            for (int j = 0; j < np * VP; j++) acc[i][j] += xv * wv[j];
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < np * VP; j++)
+            store_f(c + (m0 + i) * ldc + (p0 + j / VP) * PW + j % VP * V, acc[i][j]);
+}
+
+#define BLOCK_TILES_ACC(mr, x, ldx, K, w, pf, pf_first, pf_step, c, ldc, m0)           \
+    for (int h = 0; h < PANELS; h += TILE_PANELS(mr))                                   \
+        f32_tile_acc(x, ldx, K, w, h ? NULL : (pf), pf_first, pf_step, c, ldc, m0, mr, h, \
+                     TILE_PANELS(mr))
+
+/* BLOCK_TILES_ACC for a row count mr <= MR known only at run time. */
+#define TILE_ROWS_ACC(mr, ...)                           \
+    switch (mr) {                                        \
+    case 1: BLOCK_TILES_ACC(1, __VA_ARGS__); break;      \
+    case 2: BLOCK_TILES_ACC(2, __VA_ARGS__); break;      \
+    case 3: BLOCK_TILES_ACC(3, __VA_ARGS__); break;      \
+    case 4: BLOCK_TILES_ACC(4, __VA_ARGS__); break;      \
+    case 5: BLOCK_TILES_ACC(5, __VA_ARGS__); break;      \
+    default: BLOCK_TILES_ACC(6, __VA_ARGS__); break;     \
+    }
+
 /* A block's panels (from p0, a multiple of PANELS) in tiles for a compile-time row count, so
  * the accumulators stay in registers. */
 #define BLOCK_TILES(mr, x, ldx, K, w, bias, p0, N, y, ldy, m0)                          \

@@ -28,7 +28,7 @@ def randn(*shape, seed=0):
 
 @needs_linear
 @pytest.mark.parametrize("n,k", [(128, 256), (100, 64), (64, 172), (172, 8), (2304, 768)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 65])
 @pytest.mark.parametrize("bias", [False, True])
 def test_float32_kernel_matches_f_linear(n, k, rows, bias):
     w, x = randn(n, k) * 0.05, randn(rows, k, seed=1)
