@@ -279,14 +279,14 @@ static void prefill_task(const float *q, int64_t q_stride, float *out, int64_t o
             const float *qt = q + m0 * q_stride + head * d;
             for (int64_t kb = 0; kb * PANELS * PW < ks; kb++) /* scores = Q K^T */
                 TILE_ROWS(mr, qt, q_stride, d, kp + kb * d * PANELS * PW, NULL, 0,
-                          ks - kb * PANELS * PW, sc + kb * PANELS * PW, sc_stride, 0)
+                          ks - kb * PANELS * PW, sc + kb * PANELS * PW, sc_stride, 0, 0)
             float inv[MR];
             for (int i = 0; i < mr; i++)
                 inv[i] = softmax_masked(sc + i * sc_stride, past + m0 + i + 1, ks, scale);
             float *ot = out + m0 * out_stride + head * d;
             for (int64_t db = 0; db * PANELS * PW < d; db++) /* out = e V, then / sum */
                 TILE_ROWS(mr, sc, sc_stride, ks, vp + db * nk * PANELS * PW, NULL, 0,
-                          d - db * PANELS * PW, ot + db * PANELS * PW, out_stride, 0)
+                          d - db * PANELS * PW, ot + db * PANELS * PW, out_stride, 0, 0)
             for (int i = 0; i < mr; i++) {
                 float *row = ot + i * out_stride;
                 int64_t c = 0;

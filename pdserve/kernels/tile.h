@@ -29,10 +29,12 @@
 #endif
 
 /* Rows x[m0 .. m0 + mr) (row m at x + m * ldx) against panels [p0, p0 + np) of the blocks at w
- * (K values of k each) into y (row m at y + m * ldy), the channels below N. */
+ * (K values of k each) into y (row m at y + m * ldy), the channels below N. pf_k > 0: each k
+ * also prefetches the tile's weights pf_k values of k ahead (a memory-bound tile). */
 static inline __attribute__((always_inline)) void f32_tile(
     const float *x, int64_t ldx, int64_t K, const float *w, const float *bias, int64_t p0,
-    int64_t N, float *y, int64_t ldy, int64_t m0, const int mr, const int np) {
+    int64_t N, float *y, int64_t ldy, int64_t m0, const int mr, const int np,
+    const int64_t pf_k) {
     vf acc[MR][PANELS * VP];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < np * VP; j++) acc[i][j] = (vf){0};
@@ -40,6 +42,8 @@ static inline __attribute__((always_inline)) void f32_tile(
     const float *wp = w + (p0 / PANELS * K * PANELS + p0 % PANELS) * PW;
     for (int64_t k = 0; k < K; k++) {
         vf wv[PANELS * VP];  /* panel j / VP, lanes V (j % VP) .. */
+        if (pf_k)
+            for (int j = 0; j < np; j++) __builtin_prefetch(wp + ((k + pf_k) * PANELS + j) * PW);
         for (int j = 0; j < np * VP; j++)
             wv[j] = load_f(wp + (k * PANELS + j / VP) * PW + j % VP * V);
         for (int i = 0; i < mr; i++) {
@@ -100,9 +104,9 @@ static inline __attribute__((always_inline)) void f32_tile_acc(
 
 /* A block's panels (from p0, a multiple of PANELS) in tiles for a compile-time row count, so
  * the accumulators stay in registers. */
-#define BLOCK_TILES(mr, x, ldx, K, w, bias, p0, N, y, ldy, m0)                          \
+#define BLOCK_TILES(mr, x, ldx, K, w, bias, p0, N, y, ldy, m0, pf_k)                    \
     for (int h = 0; h < PANELS; h += TILE_PANELS(mr))                                   \
-        f32_tile(x, ldx, K, w, bias, (p0) + h, N, y, ldy, m0, mr, TILE_PANELS(mr))
+        f32_tile(x, ldx, K, w, bias, (p0) + h, N, y, ldy, m0, mr, TILE_PANELS(mr), pf_k)
 
 /* BLOCK_TILES for a row count mr <= MR known only at run time. */
 #define TILE_ROWS(mr, ...)                           \

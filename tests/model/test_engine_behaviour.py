@@ -290,6 +290,7 @@ def test_no_max_tokens_runs_to_the_kv_capacity(stories_path):
     small.engine.core.kv.pool.check_whole()
 
 
+@pytest.mark.slow  # ~5 s: two engines with a full warm-up each
 def test_startup_warm_up_leaves_no_trace(stories_path):
     """The warm-up forward at startup (on by default) holds no block, records no step, caches
     no prefix, writes no cache row and changes no output: a run after it is token for token a

@@ -110,6 +110,7 @@ def _int4_weights(llm: LLM) -> list[torch.Tensor]:
     return [t for m in model.modules() if hasattr(m, "group_size") for t in (m.q, m.scale)]
 
 
+@pytest.mark.slow  # ~4 s: two calibrations
 def test_int4_calibration_is_deterministic_on_one_thread_and_two(stories_path):
     """The same checkpoint gives the same codes, scales and minima whatever the thread count
     (prefill and decode workers quantize the model each on its own)."""

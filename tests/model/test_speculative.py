@@ -163,13 +163,13 @@ def test_stateful_sampling_speculates_and_equals_plain_decoding(
 
 
 # both drafts in every mode on llama (the draft model's unbatched modes in the slow suite),
-# self-speculation batched on the other architectures (the modes themselves are covered for
-# every architecture by prompt lookup above)
+# self-speculation batched on the other architectures in the slow suite (the modes themselves
+# are covered for every architecture by prompt lookup above)
 DRAFT_CASES = [
     ("llama", d, m) if d == "layers" or m == "batched"
     else pytest.param("llama", d, m, marks=pytest.mark.slow)  # the default run is bounded
     for d in ("layers", "model") for m in MODES
-] + [(a, "layers", "batched") for a in ARCHS[1:]]  # fmt: skip
+] + [pytest.param(a, "layers", "batched", marks=pytest.mark.slow) for a in ARCHS[1:]]  # fmt: skip
 
 
 @pytest.mark.parametrize(("arch", "draft", "mode"), DRAFT_CASES)

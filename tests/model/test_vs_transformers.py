@@ -90,10 +90,17 @@ def test_greedy_matches_transformers(arch, mode, tiny_models, references):
 # (linear, attention) kernels: the defaults above are whatever "auto" picks here (native on a CPU
 # with a compiler); these pin each one, chunked so that steps mix decodes and prefill chunks.
 KERNELS = [("torch", "sdpa"), ("onednn", "sdpa"), ("native", "sdpa"), ("native", "native")]
+# every pair on llama, the native pairs on every architecture; the rest in the slow suite
+KERNEL_CASES = [
+    pytest.param(a, k, marks=pytest.mark.slow) if a != "llama" and "native" not in k else (a, k)
+    for a in ARCHS
+    for k in KERNELS
+]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("kernels", KERNELS, ids="+".join)
+@pytest.mark.parametrize(
+    ("arch", "kernels"), KERNEL_CASES, ids=lambda v: "+".join(v) if isinstance(v, tuple) else v
+)
 def test_every_kernel_backend_matches_transformers(arch, kernels, tiny_models, references):
     from pdserve.kernels import build
 
