@@ -70,21 +70,39 @@ static inline float row_scale(const int8_t *row, int64_t d) {
     return s;
 }
 
-/* softmax of sc[0 .. len) in place. */
-static inline void softmax(float *sc, int64_t len) {
-    float top = -INFINITY, sum = 0;
-    for (int64_t l = 0; l < len; l++) top = sc[l] > top ? sc[l] : top;
+/* Scale, mask and exponentiate one row of scores in place: the first n of its w scores (the
+ * keys it may see) become e^(scale * score - their maximum), the rest zeros. Returns 1 / the
+ * sum of the n (prefill scales the row's output by it: d values, not n). */
+static float softmax_masked(float *sc, int64_t n, int64_t w, float scale) {
+    vf vtop = splat(-INFINITY);
     int64_t l = 0;
+    for (; l + V <= n; l += V) {
+        const vf v = load_f(sc + l);
+        const vi up = v > vtop;
+        vtop = (vf)(((vi)v & up) | ((vi)vtop & ~up));
+    }
+    float top = -INFINITY;
+    for (int i = 0; i < V; i++) top = vtop[i] > top ? vtop[i] : top;
+    for (; l < n; l++) top = sc[l] > top ? sc[l] : top;
+    top *= scale; /* scale > 0 */
     vf acc = {0};
-    for (; l + V <= len; l += V) {
-        vf e = exp_neg(load_f(sc + l) - top);
+    for (l = 0; l + V <= n; l += V) {
+        vf e = exp_neg(load_f(sc + l) * scale - top);
         store_f(sc + l, e);
         acc += e;
     }
-    sum = hsum(acc);
-    for (; l < len; l++) sum += (sc[l] = expf(sc[l] - top));
-    const float inv = 1.0f / sum;
-    for (l = 0; l < len; l++) sc[l] *= inv;
+    float sum = hsum(acc);
+    for (; l < n; l++) sum += (sc[l] = expf(sc[l] * scale - top));
+    for (; l < w; l++) sc[l] = 0;
+    return 1.0f / sum;
+}
+
+/* softmax of sc[0 .. len) in place. */
+static inline void softmax(float *sc, int64_t len) {
+    const vf inv = splat(softmax_masked(sc, len, len, 1.0f));
+    int64_t l = 0;
+    for (; l + V <= len; l += V) store_f(sc + l, load_f(sc + l) * inv);
+    for (; l < len; l++) sc[l] *= inv[0];
 }
 
 /* One (sequence, KV head) task for head_dim = V * NV: each of the G query heads in turn. */
@@ -235,33 +253,6 @@ static inline void load_row(const void *cache, int kv_int8, int64_t slot, int64_
         const float *r = (const float *)cache + (slot * hkv + h) * d;
         for (int64_t i = 0; i < d; i++) dst[i * dst_stride] = r[i];
     }
-}
-
-/* Scale, mask and exponentiate one row of a tile's scores in place: the first n of its w
- * scores (the keys it may see) become e^(scale * score - their maximum), the rest zeros.
- * Returns 1 / the sum of the n, which the row's output is scaled by (d values, not n). */
-static float softmax_masked(float *sc, int64_t n, int64_t w, float scale) {
-    vf vtop = splat(-INFINITY);
-    int64_t l = 0;
-    for (; l + V <= n; l += V) {
-        const vf v = load_f(sc + l);
-        const vi up = v > vtop;
-        vtop = (vf)(((vi)v & up) | ((vi)vtop & ~up));
-    }
-    float top = -INFINITY;
-    for (int i = 0; i < V; i++) top = vtop[i] > top ? vtop[i] : top;
-    for (; l < n; l++) top = sc[l] > top ? sc[l] : top;
-    top *= scale; /* scale > 0 */
-    vf acc = {0};
-    for (l = 0; l + V <= n; l += V) {
-        vf e = exp_neg(load_f(sc + l) * scale - top);
-        store_f(sc + l, e);
-        acc += e;
-    }
-    float sum = hsum(acc);
-    for (; l < n; l++) sum += (sc[l] = expf(sc[l] * scale - top));
-    for (; l < w; l++) sc[l] = 0;
-    return 1.0f / sum;
 }
 
 /* One task: query rows [r0, r1) of a chunk, the G query heads of KV head h.

@@ -91,32 +91,24 @@ static inline __attribute__((always_inline)) void f32_tile_acc(
         f32_tile_acc(x, ldx, K, w, h ? NULL : (pf), pf_first, pf_step, c, ldc, m0, mr, h, \
                      TILE_PANELS(mr))
 
-/* BLOCK_TILES_ACC for a row count mr <= MR known only at run time. */
-#define TILE_ROWS_ACC(mr, ...)                           \
-    switch (mr) {                                        \
-    case 1: BLOCK_TILES_ACC(1, __VA_ARGS__); break;      \
-    case 2: BLOCK_TILES_ACC(2, __VA_ARGS__); break;      \
-    case 3: BLOCK_TILES_ACC(3, __VA_ARGS__); break;      \
-    case 4: BLOCK_TILES_ACC(4, __VA_ARGS__); break;      \
-    case 5: BLOCK_TILES_ACC(5, __VA_ARGS__); break;      \
-    default: BLOCK_TILES_ACC(6, __VA_ARGS__); break;     \
-    }
-
 /* A block's panels (from p0, a multiple of PANELS) in tiles for a compile-time row count, so
  * the accumulators stay in registers. */
 #define BLOCK_TILES(mr, x, ldx, K, w, bias, p0, N, y, ldy, m0, pf_k)                    \
     for (int h = 0; h < PANELS; h += TILE_PANELS(mr))                                   \
         f32_tile(x, ldx, K, w, bias, (p0) + h, N, y, ldy, m0, mr, TILE_PANELS(mr), pf_k)
 
-/* BLOCK_TILES for a row count mr <= MR known only at run time. */
-#define TILE_ROWS(mr, ...)                           \
-    switch (mr) {                                    \
-    case 1: BLOCK_TILES(1, __VA_ARGS__); break;      \
-    case 2: BLOCK_TILES(2, __VA_ARGS__); break;      \
-    case 3: BLOCK_TILES(3, __VA_ARGS__); break;      \
-    case 4: BLOCK_TILES(4, __VA_ARGS__); break;      \
-    case 5: BLOCK_TILES(5, __VA_ARGS__); break;      \
-    default: BLOCK_TILES(6, __VA_ARGS__); break;     \
+/* block(mr, ...) for a row count mr <= MR known only at run time: each count its own
+ * instance, so the accumulators stay in registers. */
+#define FOR_ROWS(block, mr, ...)                 \
+    switch (mr) {                                \
+    case 1: block(1, __VA_ARGS__); break;        \
+    case 2: block(2, __VA_ARGS__); break;        \
+    case 3: block(3, __VA_ARGS__); break;        \
+    case 4: block(4, __VA_ARGS__); break;        \
+    case 5: block(5, __VA_ARGS__); break;        \
+    default: block(6, __VA_ARGS__); break;       \
     }
+#define TILE_ROWS(mr, ...) FOR_ROWS(BLOCK_TILES, mr, __VA_ARGS__)
+#define TILE_ROWS_ACC(mr, ...) FOR_ROWS(BLOCK_TILES_ACC, mr, __VA_ARGS__)
 
 #endif
