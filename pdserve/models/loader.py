@@ -173,7 +173,34 @@ def load_model(
         _select_linear_backend(model, linear_backend, device, dtype)
     if linear_backend != "torch" or quantization != "none":
         _select_layer_ops(model, device, dtype)
+    if device.type == "cpu":
+        _streamed_weights_to_huge_pages(model)
     return model.eval()
+
+
+def _streamed_weights_to_huge_pages(model: nn.Module) -> None:
+    """The weights the native kernels stream every step (packed float32, int8 and int4), moved
+    into one arena on huge pages, in the order the layers run them (`kernels/huge_pages.py`).
+    `torch` and `onednn` layers keep torch's memory."""
+    from pdserve.kernels import huge_pages
+    from pdserve.models.packed_linear import NativeLinear
+    from pdserve.models.quant_linear import _QuantLinear
+
+    if not huge_pages.available():
+        return
+    slots = [(m, name) for m in model.modules() if isinstance(m, NativeLinear | _QuantLinear)
+             for name in ("w", "q", "scale", "bias")
+             if isinstance(getattr(m, name, None), torch.Tensor)]  # fmt: skip
+    if not slots:
+        return
+    copies = huge_pages.arena([getattr(m, name) for m, name in slots])
+    for (m, name), copy in zip(slots, copies):
+        setattr(m, name, copy)
+    nbytes = sum(c.numel() * c.element_size() for c in copies)
+    logger.info(
+        "weights the kernels stream: %.1f MiB in one arena, %.1f MiB of it on huge pages",
+        nbytes / 2**20, huge_pages.huge_bytes(copies[0]) / 2**20,
+    )  # fmt: skip
 
 
 def _select_layer_ops(model: nn.Module, device, dtype) -> None:

@@ -184,27 +184,36 @@ def measure_bandwidth(seconds: float = 2.0, num_bytes: int = COPY_BYTES) -> tupl
     """(read, copy) bandwidth in bytes/s over float32 buffers of `num_bytes` each.
 
     Read: best time of a sum of the buffer (num_bytes read): torch's `x.sum()` and, on a CPU
-    where pdserve's native kernels build, their streaming sum (`kernels/cpu_memory.c`), whichever
-    is faster: a roofline must bound every kernel, and on some machines `x.sum()` reads slower
-    than a single-row matrix product does. Copy: best time of `y.copy_(x)`, counted as 2 *
-    num_bytes (read plus write). Buffers should be far larger than the last-level cache."""
+    where pdserve's native kernels build, their streaming sum (`kernels/cpu_memory.c`), also of
+    a copy on huge pages where this machine has them (the native kernels' weights live there:
+    `kernels/huge_pages.py`), whichever is fastest: a roofline must bound every kernel, and on
+    some machines `x.sum()` reads slower than a single-row matrix product does. Copy: best time
+    of `y.copy_(x)`, counted as 2 * num_bytes (read plus write). Buffers should be far larger
+    than the last-level cache."""
     numel = max(num_bytes // 4, 1)
     src = torch.ones(numel)  # touched now, so page faults are not timed
     dst = torch.zeros(numel)
-    copy_s = _best_time(lambda: dst.copy_(src), seconds / 3)
-    read_s = _best_time(src.sum, seconds / 3)
-    native = _native_read(src)
-    if native is not None:
-        read_s = min(read_s, _best_time(native, seconds / 3))
+    reads = _native_reads(src)
+    share = seconds / (2 + len(reads))
+    copy_s = _best_time(lambda: dst.copy_(src), share)
+    read_s = _best_time(src.sum, share)
+    for read in reads:
+        read_s = min(read_s, _best_time(read, share))
     return numel * 4 / read_s, 2 * numel * 4 / copy_s
 
 
-def _native_read(src: torch.Tensor) -> Callable[[], object] | None:
-    from pdserve.kernels import memory
+def _native_reads(src: torch.Tensor) -> list[Callable[[], object]]:
+    """The native streaming sum of `src` and, where huge pages are available, of a copy on
+    them; none where the native kernels do not build."""
+    from pdserve.kernels import huge_pages, memory
 
     if not memory.available()[0]:
-        return None
-    return lambda: memory.read_sum(src)
+        return []
+    reads: list[Callable[[], object]] = [lambda: memory.read_sum(src)]
+    if huge_pages.supported():  # whether or not the engine is told to use them
+        (huge,) = huge_pages.arena([src])
+        reads.append(lambda: memory.read_sum(huge))
+    return reads
 
 
 def _best_time(fn: Callable[[], object], seconds: float, max_runs: int = 10) -> float:

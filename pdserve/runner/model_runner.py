@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pdserve.config import CacheConfig, ModelConfig
+from pdserve.kernels import huge_pages
 from pdserve.kv.rows import row_width
 from pdserve.models.attention import AttentionMetadata, PrefillChunk, make_backend
 from pdserve.models.fused_decode import FusedDecode
@@ -93,7 +94,8 @@ class ModelRunner:
         tensor_parallel_threads: int | None = None,
     ) -> None:
         """`kv_cache_factory(shape, dtype, device)` allocates the KV cache (default: zeros in this
-        process; disaggregated decode workers put it in shared memory). `draft_model` (a
+        process, on huge pages on a CPU that has them; disaggregated decode workers put it in
+        shared memory). `draft_model` (a
         folder) or `draft_layers` (the first N of this model) make the draft that proposes
         tokens for speculative decoding (`pdserve.spec.draft`). `tensor_parallel_size` > 1
         splits the model over that many ranks, this process and followers it starts
@@ -146,7 +148,9 @@ class ModelRunner:
             self.shard_config.num_kv_heads,
             self.kv_row_width,
         )
-        if kv_cache_factory is None:
+        if kv_cache_factory is None and self.device.type == "cpu":
+            cache = huge_pages.zeros(shape, self.kv_dtype)  # decode attention reads it in place
+        elif kv_cache_factory is None:
             cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         else:
             cache = kv_cache_factory(shape, self.kv_dtype, self.device)
