@@ -3,12 +3,13 @@
     git worktree add /tmp/old REV
     python benchmarks/kernel_ab.py /tmp/old [--rows 1] [--rounds 60]      # ~1 min at one row
     python benchmarks/kernel_ab.py /tmp/old --kernel int4 --flags=-mno-avx512f  # the AVX2 path
+    python benchmarks/kernel_ab.py /tmp/old --kernel int8 --rows 8
 
 Loads this checkout's kernel library and the other checkout's (each built from its own sources,
 with `--flags` added: `-mno-avx512f` builds an AVX-512 machine's AVX2 paths), packs the same
-weights with each checkout's own layer (`NativeLinear`, or `Int4Linear` rounding to nearest,
-groups of 32), and times the chain of one llama-125m decode step's projections (4 per layer x
-12 layers: qkv, o, gate_up, down, and the 32000 x 768 head; 526 MiB in float32) on `--rows`
+weights with each checkout's own layer (`NativeLinear`, `Int8Linear`, or `Int4Linear` rounding
+to nearest, groups of 32), and times the chain of one llama-125m decode step's projections (4 per
+layer x 12 layers: qkv, o, gate_up, down, and the 32000 x 768 head; 526 MiB in float32) on `--rows`
 activation rows, the two chains alternated `--rounds` times (which goes first alternates too). The speedup is taken per pair, so
 the swings of a shared machine's bandwidth from one minute to the next cancel: on a machine
 whose engine-level decode moves by 1.7x between rounds, this is what still resolves 5-10%.
@@ -46,12 +47,13 @@ def checkout_library(checkout: str, flags: list[str]) -> ctypes.CDLL:
 def checkout_layer(checkout: str, kernel: str):
     """`checkout`'s layer class for `kernel` (only its packing is used, never its forward)."""
     name = "packed_linear" if kernel == "f32" else "quant_linear"
+    cls = {"f32": "NativeLinear", "int8": "Int8Linear", "int4": "Int4Linear"}[kernel]
     spec = importlib.util.spec_from_file_location(
         f"{Path(checkout).name}_{name}", Path(checkout) / f"pdserve/models/{name}.py"
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.NativeLinear if kernel == "f32" else module.Int4Linear
+    return getattr(module, cls)
 
 
 class Chain:
@@ -64,6 +66,10 @@ class Chain:
         if kernel == "f32":
             self.lib.pd_f32_linear.argtypes = [P, I64, I64, P, P, I64, P]
             self.packed = [(checkout_layer(checkout, kernel)(w, None).w,) for w in weights]
+        elif kernel == "int8":
+            self.lib.pd_int8_linear.argtypes = [P, I64, I64, P, P, I64, P]
+            layer = checkout_layer(checkout, kernel)
+            self.packed = [(m.q, m.scale) for m in (layer(w, None) for w in weights)]
         else:
             self.lib.pd_int4_linear.argtypes = [P, I64, I64, P, P, I64, I64, P]
             layer = checkout_layer(checkout, kernel)
@@ -77,6 +83,10 @@ class Chain:
             if self.kernel == "f32":
                 self.lib.pd_f32_linear(x.data_ptr(), rows, k, packed[0].data_ptr(), None, n,
                                        y.data_ptr())  # fmt: skip
+            elif self.kernel == "int8":
+                rc = self.lib.pd_int8_linear(x.data_ptr(), rows, k, packed[0].data_ptr(),
+                                             packed[1].data_ptr(), n, y.data_ptr())  # fmt: skip
+                assert rc == 0
             else:
                 rc = self.lib.pd_int4_linear(x.data_ptr(), rows, k, packed[0].data_ptr(),
                                              packed[1].data_ptr(), n, 32, y.data_ptr())  # fmt: skip
@@ -88,7 +98,7 @@ def main() -> None:
     p.add_argument("other", help="another checkout (e.g. a git worktree of an older commit)")
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--rounds", type=int, default=60)
-    p.add_argument("--kernel", choices=("f32", "int4"), default="f32")
+    p.add_argument("--kernel", choices=("f32", "int8", "int4"), default="f32")
     p.add_argument("--flags", action="append", default=[], help="added to both builds")
     p.add_argument("--output")
     a = p.parse_args()

@@ -345,25 +345,40 @@ static inline __attribute__((always_inline)) void int8_tile(
 }
 
 /* A tile for compile-time row and panel counts, so its accumulators stay in registers. With
- * AVX-512 (one register per panel): all PANELS panels for one or two rows (decode: more streams
- * in flight), two at a time for more rows (accumulators for 4 rows x 4 panels, int and float,
- * would not fit in 32 registers). With narrower vectors (two or four registers per panel, 16
- * registers): two panels for one row, one for more. */
+ * AVX-512 (one register per panel), narrow: all PANELS panels for one or two rows, two at a
+ * time for more (the integer and float accumulators of 4 rows x 4 panels would not fit in 32
+ * registers), so a block is walked twice, each pass reading every other pair of its lines;
+ * wide: all PANELS panels for any row count, one pass over the block, the float accumulators
+ * left to the compiler to keep where it can (they change once per block of QB inputs). Wide is
+ * what a few rows want, where the weights' bytes decide (the int8 and int4 chains of a decode
+ * step 1.27-1.45x as fast at 3-8 rows on a Zen 5); narrow is int8's choice for many rows,
+ * where the products are bound by compute (wide measured 0.90x at 256 rows; int4, whose tile
+ * does more arithmetic per byte, gained at every row count up to 256). With narrower vectors
+ * (two or four registers per panel, 16 registers): two panels for one row, one for more, in
+ * both. */
 #if V == 16
-#define TILE_NP(mr) ((mr) <= 2 ? PANELS : 2)
+#define NP_NARROW(mr) ((mr) <= 2 ? PANELS : 2)
+#define NP_WIDE(mr) PANELS
 #else
-#define TILE_NP(mr) ((mr) == 1 ? 4 : (mr) == 2 ? 2 : 1)
+#define NP_NARROW(mr) ((mr) == 1 ? 4 : (mr) == 2 ? 2 : 1)
+#define NP_WIDE(mr) NP_NARROW(mr)
 #endif
-#define BLOCK_TILES(tile, mr, p0, ...)                                                  \
-    for (int h2 = 0; h2 < PANELS; h2 += TILE_NP(mr))                                    \
-        tile(__VA_ARGS__, (p0) + h2, N, y, m0, mr, TILE_NP(mr))
-#define TILES(tile, mr, p0, ...)                                    \
-    switch (mr) {                                                   \
-    case 1: BLOCK_TILES(tile, 1, p0, __VA_ARGS__); break;           \
-    case 2: BLOCK_TILES(tile, 2, p0, __VA_ARGS__); break;           \
-    case 3: BLOCK_TILES(tile, 3, p0, __VA_ARGS__); break;           \
-    default: BLOCK_TILES(tile, 4, p0, __VA_ARGS__); break;          \
+#define INT8_WIDE_ROWS 32 /* int8 products of up to this many rows take wide tiles */
+#define BLOCK_TILES(tile, mr, np, p0, ...)                                              \
+    for (int h2 = 0; h2 < PANELS; h2 += np)                                             \
+        tile(__VA_ARGS__, (p0) + h2, N, y, m0, mr, np)
+#define TILES_NP(tile, mr, NP, p0, ...)                                 \
+    switch (mr) {                                                       \
+    case 1: BLOCK_TILES(tile, 1, NP(1), p0, __VA_ARGS__); break;        \
+    case 2: BLOCK_TILES(tile, 2, NP(2), p0, __VA_ARGS__); break;        \
+    case 3: BLOCK_TILES(tile, 3, NP(3), p0, __VA_ARGS__); break;        \
+    default: BLOCK_TILES(tile, 4, NP(4), p0, __VA_ARGS__); break;       \
     }
+#define TILES(tile, mr, wide, p0, ...)                          \
+    do {                                                        \
+        if (wide) TILES_NP(tile, mr, NP_WIDE, p0, __VA_ARGS__)  \
+        else TILES_NP(tile, mr, NP_NARROW, p0, __VA_ARGS__)     \
+    } while (0)
 
 int pd_int4_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *scale,
                    int64_t N, int64_t G, float *y) {
@@ -376,7 +391,7 @@ int pd_int4_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const
         for (int64_t b = 0; b < blocks; b++)
             for (int64_t m0 = 0; m0 < M; m0 += MR) {
                 int mr = (int)(M - m0 < MR ? M - m0 : MR);
-                TILES(int4_tile, mr, b * PANELS, &a, G, q, scale)
+                TILES(int4_tile, mr, 1, b * PANELS, &a, G, q, scale);
             }
     }
     free_acts(&a);
@@ -386,6 +401,7 @@ int pd_int4_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const
 int pd_int8_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *scale,
                    int64_t N, float *y) {
     int64_t Kp = round_up(K, QB), blocks = (N + PANELS * PW - 1) / (PANELS * PW);
+    const int wide = M <= INT8_WIDE_ROWS;
     acts_t a;
     int rc = quantize_acts(x, M, K, Kp, INT8_OFFSET, &a);
     if (rc == 0) {
@@ -393,7 +409,7 @@ int pd_int8_linear(const float *x, int64_t M, int64_t K, const uint8_t *q, const
         for (int64_t b = 0; b < blocks; b++)
             for (int64_t m0 = 0; m0 < M; m0 += MR) {
                 int mr = (int)(M - m0 < MR ? M - m0 : MR);
-                TILES(int8_tile, mr, b * PANELS, &a, q, scale)
+                TILES(int8_tile, mr, wide, b * PANELS, &a, q, scale);
             }
     }
     free_acts(&a);
