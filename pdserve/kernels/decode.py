@@ -1,9 +1,9 @@
 """The fused decode step's C interface (`cpu_decode.c`): the layer and step descriptors.
 
 `LayerDesc` holds the pointers and shapes of one decoder layer (filled once, when the model is
-loaded: `pdserve.models.fused_decode`), `StepDesc` those of one step; `decode_layer(layer, step,
-x)` runs the layer on the step's tokens, updating `x` in place. The descriptors hold raw
-pointers: whoever fills them keeps the tensors alive.
+loaded: `pdserve.models.fused_decode`), `StepDesc` those of one step; `decode_step(layers, n,
+step, x, norm, eps, out)` runs the first `n` layers of an array of them on the step's tokens
+(updating `x` in place) and the model's final norm into `out`, in one call. The descriptors hold raw pointers: whoever fills them keeps the tensors alive.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ class StepDesc(ctypes.Structure):
 @functools.cache
 def _lib() -> ctypes.CDLL:
     lib = library()
-    lib.pd_decode_layer.argtypes = [ctypes.POINTER(LayerDesc), ctypes.POINTER(StepDesc), _P]
-    lib.pd_decode_layer.restype = ctypes.c_int
+    lib.pd_decode_step.argtypes = [ctypes.POINTER(LayerDesc), _I, ctypes.POINTER(StepDesc), _P,
+                                   _P, _F, _P]  # fmt: skip
+    lib.pd_decode_step.restype = ctypes.c_int
     lib.pd_decode_scratch_floats.argtypes = [ctypes.POINTER(LayerDesc), _I]
     lib.pd_decode_scratch_floats.restype = _I
     return lib
@@ -58,10 +59,15 @@ def scratch_floats(layer: LayerDesc, nd: int) -> int:
     return _lib().pd_decode_scratch_floats(ctypes.byref(layer), nd)
 
 
-def decode_layer(layer: LayerDesc, step: StepDesc, x: torch.Tensor) -> None:
-    """x [nd, hidden] float32, contiguous, updated in place by the layer."""
-    rc = _lib().pd_decode_layer(ctypes.byref(layer), ctypes.byref(step), x.data_ptr())
+def decode_step(layers, n: int, step: StepDesc, x: torch.Tensor, norm: torch.Tensor,
+                eps: float, out: torch.Tensor) -> None:  # fmt: skip
+    """The first `n` layers of `layers` (a ctypes array of `LayerDesc`) on x [nd, hidden]
+    (updated in place), then out[nd, hidden] = rmsnorm(x) * norm."""
+    if not 0 < n <= len(layers):
+        raise ValueError(f"decode_step: {n} layers of {len(layers)}")
+    rc = _lib().pd_decode_step(layers, n, ctypes.byref(step), x.data_ptr(), norm.data_ptr(),
+                               eps, out.data_ptr())  # fmt: skip
     if rc == -1:
-        raise MemoryError("decode_layer: no memory for its buffers")
+        raise MemoryError("decode_step: no memory for its buffers")
     if rc != 0:
-        raise ValueError(f"decode_layer: bad layer description (rc {rc})")
+        raise ValueError(f"decode_step: bad layer description (rc {rc})")

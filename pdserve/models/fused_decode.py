@@ -1,9 +1,11 @@
-"""The decode step in one native call per layer (`pdserve/kernels/cpu_decode.c`).
+"""The decode step's layers in one native call (`pdserve/kernels/cpu_decode.c`).
 
 Run op by op, a batch-1 decode step of a small model spends a quarter of its time outside the
 matrix products: ~40 torch ops per layer and the Python around them. When every step token is
-a decode, `FusedDecode` runs each layer as one C call over the same weights and the same paged
-cache, so a step costs what its weights take to stream. Steps with a prefill chunk, and models
+a decode, `FusedDecode` runs all the layers and the final norm as one C call over the same
+weights and the same paged cache, so a step costs what its weights take to stream (one call per
+layer, as before, paid ~35 us per return to Python: the interpreter's state is cold in the
+caches once a layer's weights have streamed through them). Steps with a prefill chunk, and models
 it cannot take, run through the modules as before (`LlamaForCausalLM.forward`).
 
 It takes a model whose projections are all native (`NativeLinear`, or native `Int8Linear` /
@@ -36,13 +38,13 @@ def _linear(module: nn.Module) -> native.LinearDesc | None:
 
 
 class FusedDecode:
-    """Decode-only steps of one model through the fused native layer. Build with `build`."""
+    """Decode-only steps of one model through the fused native layers. Build with `build`."""
 
     def __init__(self, model: nn.Module, layers: list[native.LayerDesc]) -> None:
         self.model = model  # keeps every tensor the descriptors point at alive
-        self.layers = layers
+        self.layers = (native.LayerDesc * len(layers))(*layers)
         self._scratch: torch.Tensor | None = None
-        self._cache_ptrs: list[tuple[int, int]] = [(0, 0)] * len(layers)
+        self._cache_key: tuple[int, ...] = ()  # where the caches the descriptors point at lie
 
     @classmethod
     def build(cls, model: nn.Module) -> tuple[FusedDecode | None, str]:
@@ -53,6 +55,9 @@ class FusedDecode:
         if not isinstance(model.attn_backend, NativeBackend):
             return None, f"attention backend {model.attn_backend.name} is not the native one"
         cfg = model.config
+        norm = model.norm.weight
+        if norm.dtype != torch.float32 or norm.device.type != "cpu" or not norm.is_contiguous():
+            return None, "the model is not float32 on the CPU"
         layers = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -78,9 +83,9 @@ class FusedDecode:
         self,
         x: torch.Tensor,  # [nd, hidden], the embedded tokens; updated in place
         positions: torch.Tensor,  # [nd] long
-        kv_caches: list[torch.Tensor],  # per layer [2, slots, Hkv, W]
+        kv_caches: list[torch.Tensor],  # per layer [2, slots, Hkv, W]; fewer: a draft's first
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # [nd, hidden], after the model's final norm
         nd = x.shape[0]
         rope = self.model.rope
         # the C side reads int64 indices, the context slots row by row (no copies when they are)
@@ -94,14 +99,21 @@ class FusedDecode:
             cos=rope.cos.data_ptr(), sin=rope.sin.data_ptr(),
             scratch=self._scratch_for(nd).data_ptr(),
         )  # fmt: skip
-        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
-            ptrs = (cache[0].data_ptr(), cache[1].data_ptr())
-            if ptrs != self._cache_ptrs[i]:
-                layer.k_cache, layer.v_cache = ptrs
-                layer.kv_int8 = int(cache.dtype == torch.int8)
-                self._cache_ptrs[i] = ptrs
-            native.decode_layer(layer, step, x)
-        return x
+        key = tuple(c.data_ptr() for c in kv_caches)
+        if key != self._cache_key:
+            self._point_at(kv_caches, key)
+        out = torch.empty_like(x)
+        norm = self.model.norm
+        native.decode_step(self.layers, min(len(self.layers), len(kv_caches)), step, x,
+                           norm.weight, norm.eps, out)  # fmt: skip
+        return out
+
+    def _point_at(self, kv_caches: list[torch.Tensor], key: tuple[int, ...]) -> None:
+        """Each layer's descriptor at its cache's K and V halves ([2, slots, Hkv, W])."""
+        for layer, cache in zip(self.layers, kv_caches):
+            layer.k_cache, layer.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
+            layer.kv_int8 = int(cache.dtype == torch.int8)
+        self._cache_key = key
 
     def _scratch_for(self, nd: int) -> torch.Tensor:
         n = native.scratch_floats(self.layers[0], nd)

@@ -168,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         hooked = self.layer_hooks_wanted is not None and self.layer_hooks_wanted()
         if self.fused_decode is not None and not meta.prefills and not hooked:
-            return self.norm(self.fused_decode(x, positions, kv_caches, meta))
+            return self.fused_decode(x, positions, kv_caches, meta)  # the final norm too
         cos_sin = self.rope.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos_sin, kv_cache, meta, self.rope, self.attn_backend)
