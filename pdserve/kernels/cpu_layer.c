@@ -8,13 +8,8 @@
 #include "kernels.h"
 #include "rows.h"
 
-/* Fewer values than this run on the calling thread: a decode step's few rows take a few
- * microseconds, less than waking torch's other threads for them (20-200 us on a 2-core VM,
- * the longer the more time has passed since their last parallel region). */
-#define PARALLEL_MIN (1 << 16)
-
 int pd_rms_norm(const float *x, int64_t m, int64_t n, const float *w, float eps, float *out) {
-#pragma omp parallel for schedule(static) if (m * n >= PARALLEL_MIN)
+#pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < m; t++) rmsnorm_row(x + t * n, w, n, eps, out + t * n);
     return 0;
 }
@@ -22,7 +17,7 @@ int pd_rms_norm(const float *x, int64_t m, int64_t n, const float *w, float eps,
 int pd_rope(float *x, int64_t m, int64_t stride, int64_t heads, int64_t d, const float *cos,
             const float *sin) {
     if (d % 2) return -2;
-#pragma omp parallel for schedule(static) if (m * heads * d >= PARALLEL_MIN)
+#pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < m; t++)
         for (int64_t j = 0; j < heads; j++)
             rotate_row(x + t * stride + j * d, cos + t * (d / 2), sin + t * (d / 2), d);
@@ -30,7 +25,7 @@ int pd_rope(float *x, int64_t m, int64_t stride, int64_t heads, int64_t d, const
 }
 
 int pd_silu_mul(const float *gu, int64_t m, int64_t n, float *out) {
-#pragma omp parallel for schedule(static) if (m * n >= PARALLEL_MIN)
+#pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < m; t++)
         silu_mul_row(gu + t * 2 * n, gu + t * 2 * n + n, n, out + t * n);
     return 0;
