@@ -89,6 +89,7 @@ class EngineCore:
         )
         if self.runner.tp is not None:
             weakref.finalize(self, self.runner.tp.close)
+        c_heap.release_free_memory()  # what loading freed (the weights' unpacked forms)
         c_heap.keep_freed_memory()  # before the warm-up, whose memory the steps then reuse
         if args.warmup:
             tokens = min(sched_config.max_num_batched_tokens, max_len)

@@ -358,7 +358,7 @@ def _die_with_parent() -> None:
 
 
 def follow(rank: int, size: int, store: str, shard_args: ShardArgs) -> None:
-    from pdserve.engine.c_heap import keep_freed_memory
+    from pdserve.engine.c_heap import keep_freed_memory, release_free_memory
     from pdserve.heap import freeze_startup_heap
     from pdserve.models.attention import make_backend
     from pdserve.models.loader import load_model
@@ -376,7 +376,8 @@ def follow(rank: int, size: int, store: str, shard_args: ShardArgs) -> None:
                        shard_args.quantization, shard_args.group_size, tp=(rank, size))  # fmt: skip
     shard_model(model, group)
     freeze_startup_heap()  # a full collection here would stall every rank at the next all-reduce
-    keep_freed_memory()  # as the leader's engine does
+    release_free_memory()  # as the leader's engine does
+    keep_freed_memory()
     caches: list[torch.Tensor] = []
     mover: BlockMover | None = None  # this rank's side of KV offload
     shard = shard_config(cfg, size)
