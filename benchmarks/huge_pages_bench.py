@@ -1,14 +1,14 @@
 """What huge pages buy: the engine with its weights and KV cache on transparent huge pages
 against the same engine in torch's memory (`PDSERVE_HUGE_PAGES=0`), in one process, alternated.
 
-    python benchmarks/huge_pages_bench.py [--rounds 12] [--output huge.json]    # ~5 min
+    python benchmarks/huge_pages_bench.py [--rounds 12] [--output huge.json]    # ~6 min
 
-Per round, in alternating order: batch-1 decode (128 new tokens after a 128-token prompt, tok/s)
-a decode batch of 16 sequences at 1,000 tokens of context (decode steps/s, timed once every
-prompt is in the cache: there the KV cache is read as much as the weights) and a 512-token
-prefill (tok/s, best of 3), each engine once; and the native streaming read of a 512 MiB buffer on 4 KiB pages and on huge pages. Ratios are
-taken per pair, so this machine's swings from one minute to the next cancel. Random
-llama-125m, float32, 2 threads.
+Per round, each engine once, in alternating order: batch-1 decode (128 new tokens after a
+128-token prompt, tok/s), a decode batch of 16 sequences at 1,000 tokens of context (decode
+steps/s, timed once every prompt is in the cache: there the KV cache is read as much as the
+weights) and a 512-token prefill (tok/s, best of 3); then the native streaming read of a 512 MiB
+buffer on 4 KiB pages and on huge pages. Ratios are taken per pair, so this machine's swings
+from one minute to the next cancel. Random llama-125m, float32, 2 threads.
 """
 
 from __future__ import annotations

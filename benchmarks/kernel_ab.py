@@ -7,12 +7,13 @@
 
 Loads this checkout's kernel library and the other checkout's (each built from its own sources,
 with `--flags` added: `-mno-avx512f` builds an AVX-512 machine's AVX2 paths), packs the same
-weights with each checkout's own layer (`NativeLinear`, `Int8Linear`, or `Int4Linear` rounding
-to nearest, groups of 32), and times the chain of one llama-125m decode step's projections (4 per
+weights with each checkout's own layer (`NativeLinear`, `Int8Linear`, or `Int4Linear` rounding to
+nearest, groups of 32), and times the chain of one llama-125m decode step's projections (4 per
 layer x 12 layers: qkv, o, gate_up, down, and the 32000 x 768 head; 526 MiB in float32) on `--rows`
-activation rows, the two chains alternated `--rounds` times (which goes first alternates too). The speedup is taken per pair, so
-the swings of a shared machine's bandwidth from one minute to the next cancel: on a machine
-whose engine-level decode moves by 1.7x between rounds, this is what still resolves 5-10%.
+activation rows, the two chains alternated `--rounds` times (which goes first alternates too). The
+speedup is taken per pair, so the swings of a shared machine's bandwidth from one minute to the
+next cancel: on a machine whose engine-level decode moves by 1.7x between rounds, this is what
+still resolves 5-10%.
 """
 
 from __future__ import annotations

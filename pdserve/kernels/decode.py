@@ -3,7 +3,8 @@
 `LayerDesc` holds the pointers and shapes of one decoder layer (filled once, when the model is
 loaded: `pdserve.models.fused_decode`), `StepDesc` those of one step; `decode_step(layers, n,
 step, x, norm, eps, out)` runs the first `n` layers of an array of them on the step's tokens
-(updating `x` in place) and the model's final norm into `out`, in one call. The descriptors hold raw pointers: whoever fills them keeps the tensors alive.
+(updating `x` in place) and the model's final norm into `out`, in one call. The descriptors
+hold raw pointers: whoever fills them keeps the tensors alive.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ matrix products: ~40 torch ops per layer and the Python around them. When every 
 a decode, `FusedDecode` runs all the layers and the final norm as one C call over the same
 weights and the same paged cache, so a step costs what its weights take to stream (one call per
 layer, as before, paid ~35 us per return to Python: the interpreter's state is cold in the
-caches once a layer's weights have streamed through them). Steps with a prefill chunk, and models
-it cannot take, run through the modules as before (`LlamaForCausalLM.forward`).
+caches once a layer's weights have streamed through them). Steps with a prefill chunk, and
+models it cannot take, run through the modules as before (`LlamaForCausalLM.forward`).
 
 It takes a model whose projections are all native (`NativeLinear`, or native `Int8Linear` /
 `Int4Linear`), whose attention backend is `NativeBackend`, on the CPU in float32, with no
