@@ -64,12 +64,14 @@ def empty(nbytes: int) -> torch.Tensor:
     return whole[start : start + nbytes]
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros(shape, dtype) on huge pages where they are available, else as torch makes it.
-    Written once, as torch.zeros is: its memory is resident from now on, and no step pays for
-    faulting it in."""
-    if not available():
-        return torch.zeros(shape, dtype=dtype)
+def zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """torch.zeros(shape, dtype, device), on huge pages for a CPU tensor where they are
+    available, else as torch makes it. Written once, as torch.zeros is: its memory is resident
+    from now on, and no step pays for faulting it in."""
+    if torch.device(device).type != "cpu" or not available():
+        return torch.zeros(shape, dtype=dtype, device=device)
     numel = 1
     for n in shape:
         numel *= n

@@ -184,11 +184,11 @@ def _streamed_weights_to_huge_pages(model: nn.Module) -> None:
     `torch` and `onednn` layers keep torch's memory."""
     from pdserve.kernels import huge_pages
     from pdserve.models.packed_linear import NativeLinear
-    from pdserve.models.quant_linear import _QuantLinear
+    from pdserve.models.quant_linear import Int4Linear, Int8Linear
 
     if not huge_pages.available():
         return
-    slots = [(m, name) for m in model.modules() if isinstance(m, NativeLinear | _QuantLinear)
+    slots = [(m, name) for m in model.modules() if isinstance(m, NativeLinear | Int8Linear | Int4Linear)
              for name in ("w", "q", "scale", "bias")
              if isinstance(getattr(m, name, None), torch.Tensor)]  # fmt: skip
     if not slots:

@@ -95,9 +95,8 @@ class ModelRunner:
     ) -> None:
         """`kv_cache_factory(shape, dtype, device)` allocates the KV cache (default: zeros in this
         process, on huge pages on a CPU that has them; disaggregated decode workers put it in
-        shared memory). `draft_model` (a
-        folder) or `draft_layers` (the first N of this model) make the draft that proposes
-        tokens for speculative decoding (`pdserve.spec.draft`). `tensor_parallel_size` > 1
+        shared memory). `draft_model` (a folder) or `draft_layers` (the first N of this model)
+        make the draft that proposes tokens for speculative decoding (`pdserve.spec.draft`). `tensor_parallel_size` > 1
         splits the model over that many ranks, this process and followers it starts
         (`pdserve.runner.tensor_parallel`), each with `tensor_parallel_threads` threads (None:
         this process's CPUs shared out); `shard_config` is then this rank's shape."""
@@ -148,10 +147,8 @@ class ModelRunner:
             self.shard_config.num_kv_heads,
             self.kv_row_width,
         )
-        if kv_cache_factory is None and self.device.type == "cpu":
-            cache = huge_pages.zeros(shape, self.kv_dtype)  # decode attention reads it in place
-        elif kv_cache_factory is None:
-            cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        if kv_cache_factory is None:  # decode attention reads it in place: on huge pages
+            cache = huge_pages.zeros(shape, self.kv_dtype, self.device)
         else:
             cache = kv_cache_factory(shape, self.kv_dtype, self.device)
         self.kv_caches = list(cache.unbind(0))  # per layer [2, num_slots, Hkv, D]

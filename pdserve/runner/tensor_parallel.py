@@ -360,6 +360,7 @@ def _die_with_parent() -> None:
 def follow(rank: int, size: int, store: str, shard_args: ShardArgs) -> None:
     from pdserve.engine.c_heap import keep_freed_memory, release_free_memory
     from pdserve.heap import freeze_startup_heap
+    from pdserve.kernels import huge_pages
     from pdserve.models.attention import make_backend
     from pdserve.models.loader import load_model
     from pdserve.runner.kv_offload import BlockMover
@@ -397,8 +398,8 @@ def follow(rank: int, size: int, store: str, shard_args: ShardArgs) -> None:
                     path, numel = msg.cache_paths[rank - 1], int(np.prod(shape))
                     cache = torch.from_file(path, shared=True, size=numel, dtype=kv_dtype)
                     cache = cache.view(shape)
-                else:
-                    cache = torch.zeros(shape, dtype=kv_dtype, device=device)
+                else:  # as the leader's runner makes its own
+                    cache = huge_pages.zeros(shape, kv_dtype, device)
                 caches = list(cache.unbind(0))
                 mover = BlockMover(caches, msg.num_blocks, None)
                 continue

@@ -178,3 +178,20 @@ def test_cli_measures_each_thread_count(capsys, fast_measure, isolated_cache):
     assert main(["profile-hardware", "--threads", "1,2", "--seconds", "0.1"]) == 0
     assert len(fast_measure) == 2 and len(hardware.read_cache(isolated_cache)) == 2
     assert main(["profile-hardware", "--threads", "x"]) == 2
+
+
+def test_the_read_roofline_also_reads_from_huge_pages(monkeypatch):
+    """The native kernels stream weights that live on huge pages, so the roofline times a read
+    of a huge-page copy too, whether or not the engine is told to use them."""
+    from pdserve.kernels import huge_pages, memory
+
+    if not memory.available()[0] or not huge_pages.supported():
+        pytest.skip("needs the native kernels and transparent huge pages")
+    monkeypatch.setenv(huge_pages.ENV_VAR, "0")
+    src = torch.ones(1 << 20)
+    reads = hardware._native_reads(src)
+    assert len(reads) == 2
+    read = {}
+    monkeypatch.setattr(memory, "read_sum", lambda x: read.setdefault("ptr", x.data_ptr()))
+    reads[1]()
+    assert read["ptr"] != src.data_ptr() and read["ptr"] % huge_pages.HUGE_PAGE == 0

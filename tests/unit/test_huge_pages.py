@@ -51,6 +51,18 @@ def test_zeros_are_zero_and_written_memory_sits_on_huge_pages():
     assert float(big.sum()) == 4 << 20
 
 
+@needs_thp
+def test_zeros_of_another_device_or_turned_off_are_torch_memory(monkeypatch):
+    meta = huge_pages.zeros((3, 4), torch.float32, "meta")
+    assert meta.device.type == "meta" and meta.shape == (3, 4)
+    on = huge_pages.zeros((1 << 20,), torch.float32)
+    assert on.data_ptr() % huge_pages.HUGE_PAGE == 0
+    monkeypatch.setenv(huge_pages.ENV_VAR, "0")
+    off = huge_pages.zeros((1 << 20,), torch.float32)
+    assert not off.any() and off.untyped_storage().data_ptr() == off.data_ptr()
+    assert off.untyped_storage().nbytes() == off.numel() * 4  # torch's own, not a mapping's view
+
+
 def test_no_huge_pages_means_torch_memory(monkeypatch):
     monkeypatch.setattr(huge_pages, "thp_mode", lambda: "never")
     assert not huge_pages.supported() and not huge_pages.available()
