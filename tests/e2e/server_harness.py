@@ -25,11 +25,13 @@ from pathlib import Path
 import httpx
 
 FAULTS_DIR = Path(__file__).parent / "faults"
-# Read by faults/sitecustomize.py (see its docstring): seconds a prefill worker sleeps after each
-# step, and a file whose existence holds back the start of a (re)started decode worker.
+# Read by faults/sitecustomize.py (see its docstring): seconds a prefill, decode or colocated
+# worker sleeps after each step, and a file whose existence holds back the start of a
+# (re)started decode worker.
 FAULT_PREFILL_DELAY = "PDSERVE_FAULT_PREFILL_DELAY_S"
 FAULT_DECODE_START_GATE = "PDSERVE_FAULT_DECODE_START_GATE"
 FAULT_DECODE_DELAY = "PDSERVE_FAULT_DECODE_DELAY_S"
+FAULT_BOTH_DELAY = "PDSERVE_FAULT_BOTH_DELAY_S"
 
 
 def _sum(text: str, name: str, labels: str = "") -> float:

@@ -1,5 +1,5 @@
 """The harness's fault injection (tests/e2e/faults/sitecustomize.py) acts where it is meant to:
-a prefill worker's steps are slowed, no other process is touched."""
+the steps of a worker of the named role are slowed, no other process is touched."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from server_harness import FAULT_PREFILL_DELAY, FAULTS_DIR
+from server_harness import FAULT_BOTH_DELAY, FAULT_DECODE_DELAY, FAULT_PREFILL_DELAY, FAULTS_DIR
 
 # Runs in a process whose command line looks like a worker's (`pdserve.engine.worker --role R`):
 # prefill a prompt in 8-token chunks offline, report whether EngineCore.execute was wrapped and
@@ -29,8 +29,8 @@ print(json.dumps({
 """
 
 
-def probe(model: str, role: str, delay: str) -> dict:
-    env = {**os.environ, FAULT_PREFILL_DELAY: delay}
+def probe(model: str, role: str, fault: str, delay: str) -> dict:
+    env = {**os.environ, fault: delay}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULTS_DIR), env.get("PYTHONPATH")]))
     argv = [sys.executable, "-c", PROBE, model, "pdserve.engine.worker", "--role", role]
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
@@ -39,8 +39,13 @@ def probe(model: str, role: str, delay: str) -> dict:
 
 
 @pytest.mark.slow
-def test_prefill_delay_slows_only_prefill_workers(stories_path):
-    slow = probe(stories_path, "prefill", "0.3")
+@pytest.mark.parametrize(
+    "role, fault",
+    [("prefill", FAULT_PREFILL_DELAY), ("decode", FAULT_DECODE_DELAY), ("both", FAULT_BOTH_DELAY)],
+)
+def test_a_delay_slows_only_the_workers_of_its_role(stories_path, role, fault):
+    slow = probe(stories_path, role, fault, "0.3")
     assert slow["delay"] == 0.3
     assert slow["seconds"] >= 5 * 0.3  # every chunk of the prompt waited
-    assert probe(stories_path, "decode", "0.3")["delay"] is None
+    for other in {"prefill", "decode", "both"} - {role}:
+        assert probe(stories_path, other, fault, "0.3")["delay"] is None

@@ -9,7 +9,7 @@ import threading
 
 import httpx
 import pytest
-from server_harness import start_server, wait_until
+from server_harness import FAULT_BOTH_DELAY, start_server, wait_until
 from test_disagg import PROMPTS, STORY, expected
 
 from pdserve import LLM
@@ -51,8 +51,18 @@ def switch(server, prefill_workers):
 
 @pytest.mark.parametrize("split", [(), ("--tensor-parallel-size", "2")], ids=["tp1", "tp2"])
 def test_manual_switches_under_load_lose_nothing(stories_path, offline, split):
-    """tp2: each worker two ranks, the KV of split heads crossing both ways as roles change."""
-    s = start_server(stories_path, "--decode-workers", "2", "--pd-ratio", "manual", *split)
+    """tp2: each worker two ranks, the KV of split heads crossing both ways as roles change.
+    Every step of a worker takes 10 ms or more: without it, a fast machine finished a batch of the
+    tiny model between two scrapes of /metrics, and the switch never came mid-flight."""
+    s = start_server(
+        stories_path,
+        "--decode-workers",
+        "2",
+        "--pd-ratio",
+        "manual",
+        *split,
+        env={FAULT_BOTH_DELAY: "0.01"},
+    )
     try:
         d = deployment(s)
         assert (d["control"], d["split"]) == ("manual", "2 colocated")

@@ -10,6 +10,8 @@ engine worker whose command line names the role a fault is for:
   takes a known minimum time to prefill and a test can act while it is under way.
 - `PDSERVE_FAULT_DECODE_DELAY_S=<seconds>`: the same for a decode worker (`--role decode`),
   so a long answer takes a known minimum time.
+- `PDSERVE_FAULT_BOTH_DELAY_S=<seconds>`: the same for a colocated worker (`--role both`, the
+  role every worker of `--pd-ratio manual|auto` starts in; it keeps the delay when it switches).
 - `PDSERVE_FAULT_DECODE_START_GATE=<path>`: a decode worker (`--role decode`) does not start
   while that file exists (a test creates it once the server is up, so only a worker started
   later, e.g. by `--restart-workers`, waits, until the test removes it).
@@ -29,6 +31,8 @@ import time
 
 PREFILL_DELAY_ENV = "PDSERVE_FAULT_PREFILL_DELAY_S"
 DECODE_DELAY_ENV = "PDSERVE_FAULT_DECODE_DELAY_S"
+BOTH_DELAY_ENV = "PDSERVE_FAULT_BOTH_DELAY_S"
+DELAY_ENVS = {"prefill": PREFILL_DELAY_ENV, "decode": DECODE_DELAY_ENV, "both": BOTH_DELAY_ENV}
 DECODE_START_GATE_ENV = "PDSERVE_FAULT_DECODE_START_GATE"
 
 
@@ -83,7 +87,7 @@ def _slow_execute(delay_s: float):
 
 def _install() -> None:
     role = _worker_role()
-    delay = os.environ.get({"prefill": PREFILL_DELAY_ENV, "decode": DECODE_DELAY_ENV}.get(role, ""))
+    delay = os.environ.get(DELAY_ENVS.get(role, ""))
     if delay:
         sys.meta_path.insert(0, _PatchOnImport("pdserve.engine.core", _slow_execute(float(delay))))
         print(
