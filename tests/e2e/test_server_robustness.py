@@ -250,6 +250,7 @@ def test_a_request_the_worker_refuses_is_a_400_naming_the_reason(stories_path):
         s.stop()
 
 
+@pytest.mark.slow  # seconds of its own: the default run stays short
 def test_dead_worker_fails_requests_clearly_without_hanging(stories_path):
     s = start_server(stories_path)
     try:
@@ -291,6 +292,7 @@ def test_dead_worker_fails_requests_clearly_without_hanging(stories_path):
         s.stop()
 
 
+@pytest.mark.slow  # seconds of its own: the default run stays short
 def test_sigterm_shuts_down_cleanly(stories_path):
     s = start_server(stories_path)
     pid = s.worker_pid("both")

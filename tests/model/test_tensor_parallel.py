@@ -56,6 +56,7 @@ def check_same_as_one_rank(path: str) -> None:
     assert hits == want_hits > 0  # the shared prefix was served from the cache
 
 
+@pytest.mark.slow  # seconds of its own: the default run stays short
 def test_two_ranks_decode_as_one_on_the_trained_model(stories_path):
     check_same_as_one_rank(stories_path)
 

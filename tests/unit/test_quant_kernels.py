@@ -216,6 +216,7 @@ def test_a_machine_without_a_compiler_gets_a_reason_not_a_crash(tmp_path, monkey
             build.build()
 
 
+@pytest.mark.slow  # seconds of its own: the default run stays short
 def test_the_kernel_cache_is_private_and_reused(tmp_path, monkeypatch):
     if not build.compiler_present():
         pytest.skip("no C compiler here")
