@@ -9,18 +9,13 @@ measures, per output token, the CPU time of the frontend (its `process_cpu_secon
 of the client (this process), and the time a first token spends outside the engine (the
 client's TTFT minus the server's own). The simulator adds them to a step (`planner/simulator`).
 
-A served step takes longer than the profile's in-process step of the same shape by more than
-the frontend's CPU per token (the worker's loop between steps; the frontend's and the client's
-processes preempting one of the worker's threads, which the other then waits for at the next
-barrier), and by how much depends on the load. The factor per kind of step (decode-only, and
-with prompt tokens) is fitted on the concurrent load itself: the simulator replays its requests
-and the factors move until the simulated mean TTFT and median gap between tokens are the
-measured ones
-(`planner/calibrate.py`). Before that load, a few requests go one at a time, so that every
-step's shape is known (one prompt from an empty cache, then decodes of one sequence): the
-served time of each kind (the server's TTFT for the prompt step, the client's median
-inter-token time for decodes) less the CPU per token, over the step model's prediction, is
-where the fit starts, and what the profile keeps if the fit fails.
+Before that load, a few requests go one at a time, so that every step's shape is known (one
+prompt from an empty cache, then decodes of one sequence): a served step takes longer than the
+profile's in-process step of the same shape by more than the frontend's CPU per token (the
+worker's loop between steps; the frontend's and the client's processes preempting one of the
+worker's threads, which the other then waits for at the next barrier). The factor per kind of
+step is the served time (the server's TTFT for the prompt step, the client's median inter-token
+time for decodes) less the CPU per token, over the step model's prediction.
 """
 
 from __future__ import annotations
@@ -36,7 +31,7 @@ from pathlib import Path
 
 from pdserve.config import EngineArgs
 from pdserve.heap import frozen_heap
-from pdserve.planner.profile import Profile, ServingCosts
+from pdserve.planner.profile import ServingCosts
 from pdserve.planner.step_model import StepModel, StepShape
 
 NUM_REQUESTS = 32
@@ -46,10 +41,10 @@ NUM_SEQUENTIAL = 4  # requests sent one at a time, for the served/in-process ste
 
 
 def measure_serving_costs(
-    args: EngineArgs, log=print, profile: Profile | None = None
+    args: EngineArgs, log=print, step_model: StepModel | None = None
 ) -> ServingCosts:
-    """`profile`: the step models just measured, for the step factors (without it they stay
-    1.0)."""
+    """`step_model`: the profile's model of a worker on every allowed CPU, for the step factors
+    (without it they stay 1.0)."""
     from pdserve.bench.client import ClientConfig, fetch_metrics, run_requests
     from pdserve.bench.compare import Deployment, ServerProcess
     from pdserve.bench.tokenizer import HFPromptTokenizer, load_tokenizer
@@ -98,9 +93,8 @@ def measure_serving_costs(
     frontend_cpu = window.increase("process_cpu_seconds_total") / tokens
     client_cpu = client_cpu / tokens
     factors = {}
-    if profile is not None:
-        alone = profile.step_model(len(cpus))
-        factors = step_factors(sequential, alone, frontend_cpu + client_cpu)
+    if step_model is not None:
+        factors = step_factors(sequential, step_model, frontend_cpu + client_cpu)
     costs = ServingCosts(
         cpus=len(cpus),
         frontend_cpu_per_token_s=frontend_cpu,
@@ -111,58 +105,11 @@ def measure_serving_costs(
     log(
         f"serving on {len(cpus)} CPUs: frontend {costs.frontend_cpu_per_token_s * 1e3:.2f} ms and "
         f"client {costs.client_cpu_per_token_s * 1e3:.2f} ms of CPU per output token, "
-        f"{costs.frontend_latency_s * 1e3:.1f} ms of TTFT outside the engine; one request at a "
-        f"time, a served step takes x{costs.decode_step_factor:.2f} (decode) and "
-        f"x{costs.prefill_step_factor:.2f} (prompt) the in-process one"
+        f"{costs.frontend_latency_s * 1e3:.1f} ms of TTFT outside the engine; a served step "
+        f"takes x{costs.decode_step_factor:.2f} (decode) and x{costs.prefill_step_factor:.2f} "
+        "(prompt) the in-process one"
     )
-    if profile is not None:
-        costs = fitted_under_load(costs, profile, args, serve, records, log)
     return costs
-
-
-def fitted_under_load(costs, profile, args, serve, records, log=print) -> ServingCosts:
-    """`costs` with the step factors that make the simulator reproduce the concurrent load
-    (`records`, served by the command `serve`); unchanged, and said so, if the fit fails."""
-    import dataclasses
-
-    from pdserve.cli import parse_args
-    from pdserve.commands.flags import from_args
-    from pdserve.commands.serve import disagg_config_from
-    from pdserve.config import ModelConfig
-    from pdserve.planner.calibrate import fit_step_factors
-
-    _, served = parse_args(serve[3:])  # `python -m pdserve.cli serve ...`
-    engine = from_args(EngineArgs, served)
-    max_len = ModelConfig.from_pretrained(args.model).max_model_len
-    trial = dataclasses.replace(profile, serving=costs)
-    try:
-        fit = fit_step_factors(
-            trial,
-            engine,
-            records,
-            max_model_len=max_len,
-            disagg=disagg_config_from(served),
-            threads_per_worker=costs.cpus,
-        )
-    except ValueError as e:
-        log(f"the step factors keep the one-at-a-time figures: no fit under load ({e})")
-        return costs
-    (ttft, gap), (sim_ttft, sim_gap) = fit.measured, fit.simulated
-    log(
-        f"under load ({CONCURRENCY} requests at once): a served step takes "
-        f"x{fit.decode_step_factor:.2f} (decode) and x{fit.prefill_step_factor:.2f} (prompt) the "
-        f"in-process one; simulated mean TTFT {sim_ttft * 1e3:.0f} ms and median gap between "
-        f"tokens {sim_gap * 1e3:.1f} ms against {ttft * 1e3:.0f} and {gap * 1e3:.1f} measured "
-        f"({fit.simulations} simulations)"
-    )
-    if not fit.converged:
-        log("the fit did not settle: the step factors keep the one-at-a-time figures")
-        return costs
-    return dataclasses.replace(
-        costs,
-        decode_step_factor=fit.decode_step_factor,
-        prefill_step_factor=fit.prefill_step_factor,
-    )
 
 
 def step_factors(records, model: StepModel, cpu_per_token_s: float) -> dict[str, float]:
