@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if args.serving_costs:
         from pdserve.perf.serving_costs import measure_serving_costs
 
-        profile.serving = measure_serving_costs(engine, profile=profile)
+        profile.serving = measure_serving_costs(engine, step_model=profile.step_model(allowed))
     profile.save(args.output)
     print(f"wrote {args.output}")
     return 0

@@ -15,12 +15,7 @@ profile's in-process step of the same shape by more than the frontend's CPU per 
 worker's loop between steps; the frontend's and the client's processes preempting one of the
 worker's threads, which the other then waits for at the next barrier). The factor per kind of
 step is the served time (the server's TTFT for the prompt step, the client's median inter-token
-time for decodes) less the CPU per token, over the step model's prediction. A worker on fewer
-CPUs (a prefill or decode worker of a split) has factors of its own: for each smaller size the
-profile has a step model of, a server on that many CPUs (the others free, as a split's other
-worker mostly leaves them at a light load) serves a few requests one at a time the same way;
-there the CPU per token subtracted is the worker's share, what the simulator adds to its steps
-when the workers fill the machine.
+time for decodes) less the CPU per token, over the step model's prediction.
 """
 
 from __future__ import annotations
@@ -36,21 +31,20 @@ from pathlib import Path
 
 from pdserve.config import EngineArgs
 from pdserve.heap import frozen_heap
-from pdserve.planner.profile import Profile, ServingCosts
+from pdserve.planner.profile import ServingCosts
 from pdserve.planner.step_model import StepModel, StepShape
 
 NUM_REQUESTS = 32
 CONCURRENCY = 6
 INPUT_LEN, OUTPUT_LEN = 256, 64
 NUM_SEQUENTIAL = 4  # requests sent one at a time, for the served/in-process step factors
-# (a smaller worker is warmed up with the first and measured on the other three)
 
 
 def measure_serving_costs(
-    args: EngineArgs, log=print, profile: Profile | None = None
+    args: EngineArgs, log=print, step_model: StepModel | None = None
 ) -> ServingCosts:
-    """`profile`: the step models just measured, for the step factors (without it they stay
-    1.0); each size of worker it has below all the CPUs gets factors of its own."""
+    """`step_model`: the profile's model of a worker on every allowed CPU, for the step factors
+    (without it they stay 1.0)."""
     from pdserve.bench.client import ClientConfig, fetch_metrics, run_requests
     from pdserve.bench.compare import Deployment, ServerProcess
     from pdserve.bench.tokenizer import HFPromptTokenizer, load_tokenizer
@@ -58,7 +52,13 @@ def measure_serving_costs(
     from pdserve.planner.scrape import Scrape, Window
 
     cpus = sorted(os.sched_getaffinity(0))
-    base_url, serve = _serve_command(args, cpus)
+    port = _free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    serve = [
+        sys.executable, "-m", "pdserve.cli", "serve", "--model", args.model, "--port", str(port),
+        "--cpus", ",".join(map(str, cpus)), "--linear-backend", str(args.linear_backend),
+        "--dtype", str(args.dtype), "--log-level", "warning",
+    ]  # fmt: skip
     workload = WorkloadConfig(
         num_requests=NUM_REQUESTS + NUM_SEQUENTIAL,
         input_len=INPUT_LEN,
@@ -92,24 +92,15 @@ def measure_serving_costs(
     ]
     frontend_cpu = window.increase("process_cpu_seconds_total") / tokens
     client_cpu = client_cpu / tokens
-    factors, smaller = {}, {}
-    if profile is not None:
-        host_cpu = frontend_cpu + client_cpu
-        factors = step_factors(sequential, profile.step_model(len(cpus)), host_cpu)
-        for size in sorted(n for n in profile.step_models if n < len(cpus)):
-            # the simulator charges a worker its share of the host's CPU per token whenever
-            # the workers fill the machine: the factor is what the served step takes beyond it
-            share = host_cpu * size / len(cpus)
-            own = _served_alone(args, cpus[:size], alone, profile.step_model(size), share)
-            smaller[size] = (own.get("decode_step_factor", 1.0),
-                             own.get("prefill_step_factor", 1.0))  # fmt: skip
+    factors = {}
+    if step_model is not None:
+        factors = step_factors(sequential, step_model, frontend_cpu + client_cpu)
     costs = ServingCosts(
         cpus=len(cpus),
         frontend_cpu_per_token_s=frontend_cpu,
         client_cpu_per_token_s=client_cpu,
         frontend_latency_s=max(statistics.median(outside), 0.0) if outside else 0.0,
         **factors,
-        smaller_workers=smaller,
     )
     log(
         f"serving on {len(cpus)} CPUs: frontend {costs.frontend_cpu_per_token_s * 1e3:.2f} ms and "
@@ -118,38 +109,7 @@ def measure_serving_costs(
         f"takes x{costs.decode_step_factor:.2f} (decode) and x{costs.prefill_step_factor:.2f} "
         "(prompt) the in-process one"
     )
-    for size, (decode, prefill) in smaller.items():
-        log(
-            f"a worker on {size} of the {len(cpus)} CPUs: a served step takes x{decode:.2f} "
-            f"(decode) and x{prefill:.2f} (prompt) the in-process one"
-        )
     return costs
-
-
-def _serve_command(args: EngineArgs, cpus: list[int]) -> tuple[str, list[str]]:
-    """(base URL, command) of a `pdserve serve` of the profile's engine on `cpus`."""
-    port = _free_port()
-    serve = [
-        sys.executable, "-m", "pdserve.cli", "serve", "--model", args.model, "--port", str(port),
-        "--cpus", ",".join(map(str, cpus)), "--linear-backend", str(args.linear_backend),
-        "--dtype", str(args.dtype), "--log-level", "warning",
-    ]  # fmt: skip
-    return f"http://127.0.0.1:{port}", serve
-
-
-def _served_alone(args: EngineArgs, cpus: list[int], prompts, model: StepModel, cpu: float):
-    """The step factors of a worker on `cpus` alone (the other CPUs free), from `prompts` sent
-    one at a time after one to warm up."""
-    from pdserve.bench.client import ClientConfig, run_requests
-    from pdserve.bench.compare import Deployment, ServerProcess
-
-    base_url, serve = _serve_command(args, cpus)
-    client = ClientConfig(base_url, args.model, "completions")
-    log_path = Path(tempfile.mkdtemp(prefix="pdserve-profile-")) / "serve.log"
-    with ServerProcess(Deployment("alone", base_url, tuple(serve)), log_path), frozen_heap():
-        asyncio.run(run_requests(prompts[:1], client, 1))  # warm up
-        records = asyncio.run(run_requests(prompts[1:], client, 1))
-    return step_factors(records, model, cpu)
 
 
 def step_factors(records, model: StepModel, cpu_per_token_s: float) -> dict[str, float]:

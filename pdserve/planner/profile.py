@@ -37,9 +37,8 @@ class ServingCosts:
     per output token that the frontend, and a client on the same machine, take from the cores;
     the time a first token spends outside the engine; and how much longer a served step takes
     than the same step in-process (the worker's loop, and other processes on its cores), per
-    kind of step and size of worker, beyond the CPU per token. Profiles measured before the
-    factors lack them (1.0); those measured before the smaller workers' factors have only the
-    all-CPU worker's, which then stand for every size."""
+    kind of step, beyond the CPU per token. Profiles measured before the factors lack them
+    (1.0)."""
 
     cpus: int  # the CPUs the measured deployment occupied
     frontend_cpu_per_token_s: float
@@ -47,23 +46,6 @@ class ServingCosts:
     frontend_latency_s: float
     decode_step_factor: float = 1.0  # a served decode-only step / the step model's prediction
     prefill_step_factor: float = 1.0  # a served step with prompt tokens / the prediction
-    # the same two factors of workers on fewer CPUs (by CPUs), each measured with the other CPUs
-    # free; the two above are a worker's on all `cpus`
-    smaller_workers: dict[int, tuple[float, float]] = field(default_factory=dict)
-
-    def step_factors(self, size: int) -> tuple[float, float]:
-        """(decode, prefill) factors of a worker of `size` CPUs: those of the nearest measured
-        size (the larger on a tie)."""
-        measured = dict(self.smaller_workers)
-        measured[self.cpus] = (self.decode_step_factor, self.prefill_step_factor)
-        return measured[min(measured, key=lambda s: (abs(s - size), -s))]
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ServingCosts:
-        smaller = {
-            int(k): (float(v[0]), float(v[1])) for k, v in d.get("smaller_workers", {}).items()
-        }
-        return cls(**{**d, "smaller_workers": smaller})
 
 
 @dataclass
@@ -114,7 +96,7 @@ class Profile:
             step_models={int(k): step_model_from_dict(m) for k, m in d["step_models"].items()},
             transfers={k: TransferModel(**t) for k, t in d.get("transfers", {}).items()},
             notes=list(d.get("notes", [])),
-            serving=ServingCosts.from_dict(d["serving"]) if d.get("serving") else None,
+            serving=ServingCosts(**d["serving"]) if d.get("serving") else None,
         )
 
     def save(self, path: str | Path) -> None:

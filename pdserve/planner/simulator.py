@@ -17,11 +17,11 @@ the first token (which the client sees then), the KV arrives, the decode worker 
 
 Serving's own costs come from the profile when it measured them (`Profile.serving`): a step
 takes its measured served/in-process factor (decode-only steps and steps with prompt tokens
-each their own, of the nearest size of worker measured) times the step model's time; the CPU
-the frontend (and a client on the same machine, `local_client`) spends per output token is
-added to the step that emits the token, in the worker's share of the CPUs, when the workers
-occupy every CPU; every token reaches the client `frontend_latency_s` after its step. What is
-not modelled: message latencies between processes, KV transfer fallbacks and failures,
+each their own) times the step model's time; the CPU the frontend (and a client on the same
+machine, `local_client`) spends per output token is added to the step that emits the token,
+in the worker's share of the CPUs, when the workers occupy every CPU; every token reaches the
+client `frontend_latency_s` after its step. What is not
+modelled: message latencies between processes, KV transfer fallbacks and failures,
 preemption's recompute being cheaper than a first prefill (the prefix cache is modelled, so
 recompute hits cached blocks as it does for real).
 
@@ -147,6 +147,12 @@ class Simulation:
         self.host_cpu_per_token_s, self.frontend_latency_s = _serving_costs(
             profile, self.num_cpus, local_client
         )
+        served = profile.serving
+        # a served step's own slowdown (its worker's loop, the other processes on its cores);
+        # a replayed step log (`step_time`) is already served time
+        self.step_factors = (1.0, 1.0)
+        if served is not None and step_time is None:
+            self.step_factors = (served.decode_step_factor, served.prefill_step_factor)
         self.block_size = engine.block_size
         self.max_model_len = max_model_len
         self.router = Router(engine.block_size, disagg.min_prompt_tokens)
@@ -244,7 +250,7 @@ class Simulation:
             ctx_lens.append(item.request.num_computed_tokens + item.num_new_tokens)
         num_sampled = sum(item.sample for item in plan.scheduled)
         shape = StepShape.of(q_lens, ctx_lens, num_sampled)
-        duration = worker.predict(shape) * self._step_factor(worker, shape)
+        duration = worker.predict(shape) * self.step_factors[0 if shape.is_decode else 1]
         # the frontend's work on this step's tokens takes CPU from the worker's cores
         duration += self.host_cpu_per_token_s * num_sampled * worker.size / self.num_cpus
         worker.plan, worker.step_start = plan, self.now
@@ -257,16 +263,6 @@ class Simulation:
             )
         )
         self.at(self.now + duration, lambda: self._step_done(worker))
-
-    def _step_factor(self, worker: SimWorker, shape: StepShape) -> float:
-        """A served step's own slowdown over the step model (its worker's loop, the other
-        processes on its cores), by the worker's size now; a replayed step log (`step_time`)
-        is already served time."""
-        served = self.profile.serving
-        if served is None or self._step_time is not None:
-            return 1.0
-        decode, prefill = served.step_factors(worker.size)
-        return decode if shape.is_decode else prefill
 
     def _send_to_prefill(self, reserved: Request) -> None:
         live = self.live[reserved.request_id]

@@ -4,7 +4,6 @@ the P:D controller work on simulated time; step models fit and predict (no torch
 from __future__ import annotations
 
 import dataclasses
-import json
 import subprocess
 import sys
 
@@ -213,39 +212,6 @@ def test_served_steps_take_their_measured_factor_per_kind_of_step():
     assert Profile.from_dict(old).serving == dataclasses.replace(
         costs, decode_step_factor=1.0, prefill_step_factor=1.0
     )
-
-
-def test_a_smaller_worker_takes_the_factors_measured_for_its_size():
-    costs = ServingCosts(cpus=2, frontend_cpu_per_token_s=0.0, client_cpu_per_token_s=0.0,
-                         frontend_latency_s=0.0, decode_step_factor=1.2, prefill_step_factor=1.5,
-                         smaller_workers={1: (1.05, 1.1)})  # fmt: skip
-    assert costs.step_factors(1) == (1.05, 1.1)
-    assert costs.step_factors(2) == costs.step_factors(4) == (1.2, 1.5)
-    served = dataclasses.replace(PROFILE, serving=costs)
-    plain = dataclasses.replace(PROFILE, serving=dataclasses.replace(
-        costs, decode_step_factor=1.0, prefill_step_factor=1.0, smaller_workers={}))  # fmt: skip
-
-    def steps(profile, threads):
-        disagg = DisaggConfig(num_prefill_workers=1, num_decode_workers=1)
-        sim = Simulation(profile, EngineArgs(model="m"), disagg, max_model_len=2048,
-                         threads_per_worker=threads)  # fmt: skip
-        return sim.run([RequestSpec(0, 0.0, 64, 20)]).steps
-
-    # 1P+1D of one thread each: the prompt step x1.1, the decode steps x1.05
-    for threads, (decode, prefill) in ((1, (1.05, 1.1)), (2, (1.2, 1.5))):
-        (prompt, *decodes), (base_prompt, *base_decodes) = (
-            steps(served, threads),
-            steps(plain, threads),
-        )
-        assert prompt.duration_s == pytest.approx(prefill * base_prompt.duration_s)
-        assert len(decodes) == 19
-        for a, b in zip(base_decodes, decodes, strict=True):
-            assert b.duration_s == pytest.approx(decode * a.duration_s)
-    # through a JSON file and back; a profile written before the sizes reads as the one size
-    assert Profile.from_dict(json.loads(json.dumps(served.to_dict()))) == served
-    old = served.to_dict()
-    del old["serving"]["smaller_workers"]
-    assert Profile.from_dict(old).serving.step_factors(1) == (1.2, 1.5)
 
 
 def test_step_factors_compare_served_requests_with_the_model():
