@@ -49,6 +49,7 @@ def test_a_prefill_bound_run_is_called_prefill_bound(server, tmp_path, capsys, s
     server.wait_idle()
 
 
+@pytest.mark.slow  # seconds of its own: the default run stays short
 def test_a_decode_bound_run_is_called_decode_bound(server, tmp_path, capsys):
     run = bench(server, tmp_path, "decode", "--num-requests", "64", "--input-len", "8",
                 "--output-len", "150", "--slo", "ttft_ms=60000,tpot_ms=2")  # fmt: skip

@@ -95,6 +95,7 @@ def test_fused_step_matches_the_modules(arch, engine, tiny_models):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # seconds of its own: the default run stays short
 def test_enforce_eager_and_layer_hooks_turn_it_off_and_tokens_do_not_change(tiny_models):
     prompts = [[5, 6, 7, 8, 9] * 6, [10, 11, 12], list(range(20, 60))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -89,6 +89,7 @@ def test_sampled_stories_stay_near_float32(stories_path, sampled_stories, sample
     assert ppl / sampled_float_ppl - 1 <= SAMPLED_BOUNDS[quant], (quant, ppl, sampled_float_ppl)
 
 
+@pytest.mark.slow  # seconds of its own: the default run stays short
 def test_int4_calibration_beats_rounding_to_nearest(
     stories_path, texts, float_ppl, sampled_stories, sampled_float_ppl
 ):

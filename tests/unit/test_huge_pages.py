@@ -77,6 +77,7 @@ def test_no_huge_pages_means_torch_memory(monkeypatch):
     reason="in 'always' mode torch's own "
     "memory may get huge pages too; without THP there is nothing to turn off",
 )
+@pytest.mark.slow  # seconds of its own: the default run stays short
 def test_the_environment_keeps_the_kv_cache_in_torch_memory(monkeypatch, stories_path):
     caches = {}
     for setting in ("1", "0"):
