@@ -188,7 +188,8 @@ def _streamed_weights_to_huge_pages(model: nn.Module) -> None:
 
     if not huge_pages.available():
         return
-    slots = [(m, name) for m in model.modules() if isinstance(m, NativeLinear | Int8Linear | Int4Linear)
+    streamed = NativeLinear | Int8Linear | Int4Linear
+    slots = [(m, name) for m in model.modules() if isinstance(m, streamed)
              for name in ("w", "q", "scale", "bias")
              if isinstance(getattr(m, name, None), torch.Tensor)]  # fmt: skip
     if not slots:

@@ -96,10 +96,11 @@ class ModelRunner:
         """`kv_cache_factory(shape, dtype, device)` allocates the KV cache (default: zeros in this
         process, on huge pages on a CPU that has them; disaggregated decode workers put it in
         shared memory). `draft_model` (a folder) or `draft_layers` (the first N of this model)
-        make the draft that proposes tokens for speculative decoding (`pdserve.spec.draft`). `tensor_parallel_size` > 1
-        splits the model over that many ranks, this process and followers it starts
-        (`pdserve.runner.tensor_parallel`), each with `tensor_parallel_threads` threads (None:
-        this process's CPUs shared out); `shard_config` is then this rank's shape."""
+        make the draft that proposes tokens for speculative decoding (`pdserve.spec.draft`).
+        `tensor_parallel_size` > 1 splits the model over that many ranks, this process and
+        followers it starts (`pdserve.runner.tensor_parallel`), each with
+        `tensor_parallel_threads` threads (None: this process's CPUs shared out); `shard_config`
+        is then this rank's shape."""
         self.config = self.shard_config = model_config
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
