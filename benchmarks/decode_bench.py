@@ -36,6 +36,7 @@ from lib.engine_common import (  # noqa: E402
     decode_rate,
     greedy,
     make_model,
+    paired_decode,
     prefill_rate,
     random_prompts,
 )
@@ -146,7 +147,9 @@ def head_to_head(
     int8 weights; Q4_0 and Q4_1: int4 weights) and llama.cpp's GGUF of that type, where given, alternated
     `rounds` times, a bandwidth sample before and after each, so that every figure has the
     roofline of its own minute: this machine's read bandwidth moves by up to 2x between minutes,
-    more than the kernels differ."""
+    more than the kernels differ. The engine's decode is also measured step by step, each step
+    paired with a read of its own bytes (`paired_decode`): bandwidth that moves within seconds
+    cancels there."""
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompt = random_prompts(random.Random(0), [128], vocab)
     engine_args = CONFIGS[GGUF_TYPES[precision]]
@@ -162,11 +165,15 @@ def head_to_head(
         bw0 = measure_bandwidth(1.5)[0]
         tok_s, nbytes = decode_rate(llm, prompt, 128)
         bw1 = measure_bandwidth(1.5)[0]
+        paired = paired_decode(llm, prompt[0], 128)
         out["pdserve"].append({"tokens_s": tok_s, "bytes_per_step": nbytes,
                                "read_bandwidth": max(bw0, bw1),
-                               "roofline_fraction": tok_s * nbytes / max(bw0, bw1)})  # fmt: skip
+                               "roofline_fraction": tok_s * nbytes / max(bw0, bw1),
+                               "paired": paired})  # fmt: skip
         line = (
-            f"round {r}: pdserve {tok_s:.1f} tok/s ({out['pdserve'][-1]['roofline_fraction']:.0%})"
+            f"round {r}: pdserve {tok_s:.1f} tok/s ({out['pdserve'][-1]['roofline_fraction']:.0%};"
+            f" paired step by step {paired['tokens_s']:.1f} tok/s at "
+            f"{paired['roofline_fraction']:.0%})"
         )
         if base is not None:
             f32 = decode_rate(base, prompt, 128)[0]
@@ -189,6 +196,11 @@ def head_to_head(
             print(f"{key}: median {statistics.median(x['tokens_s'] for x in runs):.1f} tok/s, "
                   f"median {statistics.median(fr):.0%} of the roofline (range "
                   f"{min(fr):.0%}-{max(fr):.0%})")  # fmt: skip
+    if runs := out["pdserve"]:
+        fr = [x["paired"]["roofline_fraction"] for x in runs]
+        print(f"pdserve, each step paired with a read of its bytes: median "
+              f"{statistics.median(x['paired']['tokens_s'] for x in runs):.1f} tok/s, median "
+              f"{statistics.median(fr):.0%} of the roofline (rounds {min(fr):.0%}-{max(fr):.0%})")  # fmt: skip
     for key, name in (("llama_cpp", "llama.cpp"), ("float32", "pdserve float32")):
         if out[key]:
             ratios = [a["tokens_s"] / b["tokens_s"] for a, b in zip(out["pdserve"], out[key])]

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from lib.paths import TRACE
 from pdserve import LLM, SamplingParams
@@ -151,3 +154,46 @@ def prefill_rate(llm: LLM, prompt: list[int]) -> float:
         llm.generate([prompt], greedy(1))
         best = min(best, time.perf_counter() - t0)
     return len(prompt) / best
+
+
+def paired_decode(llm: LLM, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+    """Batch-1 decode with each step paired with a read of the step's own bytes, one right
+    after the other: the fraction of the read-bandwidth roofline step by step.
+
+    This machine's read bandwidth moves by up to 2x within seconds, so a roofline sampled a
+    minute away from the steps says little about them; a read of the same number of bytes
+    taken a millisecond after each step sees the same state of the memory system. The read is
+    the best of two of the native streaming sum (`kernels/cpu_memory.c`, the fastest read this
+    machine has; on huge pages where the weights are) over a buffer of the step's bytes, so the
+    fraction is read time / step time, a stricter roofline than one sample of the minute.
+    Returns the median step, the median fraction and its deciles."""
+    from pdserve.kernels import huge_pages, memory
+
+    engine, totals = llm.engine, llm.engine.core.stats.totals
+    llm.generate([prompt], greedy(8))  # warm, and the bytes a step reads
+    before = totals["decode"]
+    b0, s0 = before.bytes, before.steps
+    llm.generate([prompt], greedy(8))
+    nbytes = (totals["decode"].bytes - b0) / (totals["decode"].steps - s0)
+    buf = torch.ones(int(nbytes) // 4)
+    if huge_pages.available():
+        (buf,) = huge_pages.arena([buf])
+    read = memory.read_sum if memory.available()[0] else torch.Tensor.sum
+
+    def timed(fn, *args) -> float:
+        t0 = time.perf_counter()
+        fn(*args)
+        return time.perf_counter() - t0
+
+    engine.add_request("paired", prompt, greedy(new_tokens))
+    engine.step()  # the prompt
+    steps, fractions = [], []
+    while engine.has_unfinished:
+        step_s = timed(engine.step)
+        read_s = min(timed(read, buf), timed(read, buf))
+        steps.append(step_s)
+        fractions.append(read_s / step_s)
+    q = statistics.quantiles(fractions, n=10)
+    return {"step_s": statistics.median(steps), "tokens_s": 1 / statistics.median(steps),
+            "bytes_per_step": nbytes, "roofline_fraction": statistics.median(fractions),
+            "roofline_fraction_p10_p90": [q[0], q[-1]], "steps": len(steps)}  # fmt: skip
