@@ -64,7 +64,8 @@ class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] rows of the hidden states that sample, in plan order
+    # [S] rows of the hidden states that sample, in plan order; None: every row, in order
+    logits_indices: torch.Tensor | None
     rows: list[SamplingRow]
     # Requests with proposed tokens: (index in the plan, first row, end row) of their positions
     spec_rows: list[tuple[int, int, int]] = field(default_factory=list)
@@ -362,13 +363,15 @@ class ModelRunner:
         input_ids, positions, meta, last_row = self.layout(runs)
         sample_idx = [i for i, s in enumerate(items) if s.sample and not s.spec_tokens]
         rows = [self._sampling_row(items[i].request) for i in sample_idx]
+        sample_rows = [last_row[last_run[i]] for i in sample_idx]
+        every_row = len(sample_rows) == len(input_ids) and sample_rows == list(range(len(rows)))
         return StepInputs(
             input_ids=input_ids,
             positions=positions,
             meta=meta,
-            logits_indices=torch.tensor(
-                [last_row[last_run[i]] for i in sample_idx], device=self.device
-            ),
+            logits_indices=None
+            if every_row  # a decode step: no gather
+            else torch.tensor(sample_rows, device=self.device),
             rows=rows,
             spec_rows=[(i, last_row[a], last_row[b - 1] + 1) for i, a, b in spec_runs],
             first_rows=[last_row[r] - len(runs[r][2]) + 1 for r in first_run],
@@ -425,7 +428,9 @@ class ModelRunner:
         speculated = self._verify(plan, inputs.spec_rows, hidden, draft_probs)
         if not inputs.rows:
             return StepResult([], [], prompt_logprobs, speculated)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if inputs.logits_indices is not None:
+            hidden = hidden[inputs.logits_indices]
+        logits = self.model.compute_logits(hidden)
         out = self.sampler(logits, inputs.rows, self._grammar_masks(plan))
         return StepResult(out.token_ids, out.logprobs, prompt_logprobs, speculated)
 

@@ -54,6 +54,18 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.greedy or params.temperature < _MIN_TEMPERATURE
 
 
+def _plain_greedy(row: SamplingRow) -> bool:
+    """Whether the row's token is the argmax of its raw logits: greedy, no logprobs, no
+    penalties, and past min_tokens (no ban on its stop tokens)."""
+    params = row.params
+    return (
+        is_greedy(params)
+        and params.logprobs is None
+        and len(row.output_token_ids) >= params.min_tokens
+        and not has_penalties(params)
+    )
+
+
 def has_penalties(params: SamplingParams) -> bool:
     return (
         params.repetition_penalty != 1.0
@@ -78,6 +90,10 @@ class Sampler:
             raise ValueError(
                 f"logits of shape {tuple(logits.shape)} do not match {len(rows)} sampling rows"
             )
+        if masks is None and all(map(_plain_greedy, rows)):
+            # the common decode step: few Python calls, since each runs with cold caches
+            # after the weights streamed (docs/PERFORMANCE.md, "Decode at the roofline")
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
         raw_logits = logits.float()  # no copy for float32; never modified in place
         random_rows = [i for i, r in enumerate(rows) if not is_greedy(r.params)]
         logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
