@@ -109,6 +109,7 @@ def test_enforce_eager_and_layer_hooks_turn_it_off_and_tokens_do_not_change(tiny
     assert fused.engine.core.runner.model.fused_decode is None
 
 
+@pytest.mark.slow  # seconds of its own: the default run stays short
 def test_hooks_that_only_some_steps_want_keep_the_fused_step_for_the_rest(tiny_models):
     """A KV sender's hooks are wanted only by steps with rows to ship: other decode-only steps
     stay fused (the hooks do not fire there), and the tokens are those of the modules."""

@@ -100,6 +100,7 @@ def test_the_trained_model_accepts_proposals_and_stays_exact(stories_path, stori
     spec.engine.core.kv.pool.check_whole()
 
 
+@pytest.mark.slow  # seconds of its own: the default run stays short
 def test_sampled_speculation_runs_and_a_seed_gives_plain_samplings_tokens(stories_path):
     plain = LLM(stories_path)
     prompt = "Once upon a time, there was a little girl. Once upon a time, there was a"
@@ -193,6 +194,7 @@ def test_a_draft_speculates_losslessly_in_every_mode(arch, draft, mode, tiny_mod
     spec.engine.core.kv.pool.check_whole()
 
 
+@pytest.mark.slow  # seconds of its own: the default run stays short
 def test_a_draft_model_of_the_first_layers_proposes_what_self_speculation_does(
     stories_path, tmp_path
 ):

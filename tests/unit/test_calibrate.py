@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
@@ -75,6 +76,7 @@ def test_a_ragged_last_group_and_a_dead_input_are_handled():
     assert ((x @ q.T - x @ w.T).norm() / (x @ w.T).norm()).item() < 0.1
 
 
+@pytest.mark.slow  # seconds of its own: the default run stays short
 def test_the_calibration_forward_is_the_engines(stories_path):
     """The text the calibration samples, run through its own forward (the one it quantizes
     with: causal attention over whole sequences), gives the log-probabilities the engine gives
