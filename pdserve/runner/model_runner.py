@@ -364,7 +364,8 @@ class ModelRunner:
         sample_idx = [i for i, s in enumerate(items) if s.sample and not s.spec_tokens]
         rows = [self._sampling_row(items[i].request) for i in sample_idx]
         sample_rows = [last_row[last_run[i]] for i in sample_idx]
-        every_row = len(sample_rows) == len(input_ids) and sample_rows == list(range(len(rows)))
+        num_rows = len(input_ids)
+        every_row = len(sample_rows) == num_rows and sample_rows == list(range(num_rows))
         return StepInputs(
             input_ids=input_ids,
             positions=positions,

@@ -118,7 +118,8 @@ class Sampler:
         masks: TokenMasks | None = None,
     ) -> torch.Tensor:
         """`raw_logits` ([num_rows, vocab] float32) after each row's penalties, min_tokens ban
-        and grammar mask: `raw_logits` itself where no row has any, else a new tensor."""
+        and grammar mask: `raw_logits` itself where no row has any, else a new tensor. A
+        constraint added here belongs in `_plain_greedy` too (the rows that skip this)."""
         penalty_rows = [i for i, r in enumerate(rows) if has_penalties(r.params)]
         # A grammar decides when its row may end: min_tokens does not ban EOS there.
         constrained = set(masks.row_indices) if masks is not None else set()
