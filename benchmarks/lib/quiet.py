@@ -113,9 +113,14 @@ BUSY_PATTERN = "engine_bench|engine_whatif|pytest|pdserve"
 
 
 def own_processes() -> set[int]:
-    """This process and all its descendants."""
+    """This process, all its descendants, and its ancestors: a shell that started it (`bash -c
+    "pdserve profile ... && python this_bench.py"`) matches the pattern but only waits on it."""
     parent = parent_pids()
     own, frontier = {os.getpid()}, [os.getpid()]
+    p = parent.get(os.getpid(), 0)
+    while p > 1 and p not in own:
+        own.add(p)
+        p = parent.get(p, 0)
     while frontier:
         p = frontier.pop()
         kids = [c for c, pp in parent.items() if pp == p and c not in own]
