@@ -141,7 +141,12 @@ def llama_bench(llama_cpp: Path, gguf: Path, threads: int) -> dict:
 
 
 def head_to_head(
-    model_dir: Path, llama_cpp: Path | None, threads: int, rounds: int, precision: str = "F32"
+    model_dir: Path,
+    llama_cpp: Path | None,
+    threads: int,
+    rounds: int,
+    precision: str = "F32",
+    split: bool = False,
 ) -> dict:
     """Batch-1 decode of the engine at `precision` (F32: the default float32 engine; Q8_0:
     int8 weights; Q4_0 and Q4_1: int4 weights) and llama.cpp's GGUF of that type, where given, alternated
@@ -149,7 +154,8 @@ def head_to_head(
     roofline of its own minute: this machine's read bandwidth moves by up to 2x between minutes,
     more than the kernels differ. The engine's decode is also measured step by step, each step
     paired with a read of its own bytes (`paired_decode`): bandwidth that moves within seconds
-    cancels there."""
+    cancels there. `split` also pairs the step's two products (the fused layers, the head)
+    with reads of their own bytes and reports the host's time per step."""
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompt = random_prompts(random.Random(0), [128], vocab)
     engine_args = CONFIGS[GGUF_TYPES[precision]]
@@ -165,7 +171,7 @@ def head_to_head(
         bw0 = measure_bandwidth(1.5)[0]
         tok_s, nbytes = decode_rate(llm, prompt, 128)
         bw1 = measure_bandwidth(1.5)[0]
-        paired = paired_decode(llm, prompt[0], 128)
+        paired = paired_decode(llm, prompt[0], 128, split=split)
         out["pdserve"].append({"tokens_s": tok_s, "bytes_per_step": nbytes,
                                "read_bandwidth": max(bw0, bw1),
                                "roofline_fraction": tok_s * nbytes / max(bw0, bw1),
@@ -175,6 +181,9 @@ def head_to_head(
             f" paired step by step {paired['tokens_s']:.1f} tok/s at "
             f"{paired['roofline_fraction']:.0%})"
         )
+        if sp := paired.get("split"):
+            line += (f"; layers {sp['layers_of_read']:.0%} and head {sp['head_of_read']:.0%} of "
+                     f"their reads, host {sp['host_s'] * 1e3:.2f} ms a step")  # fmt: skip
         if base is not None:
             f32 = decode_rate(base, prompt, 128)[0]
             out["float32"].append({"tokens_s": f32})
@@ -201,6 +210,11 @@ def head_to_head(
         print(f"pdserve, each step paired with a read of its bytes: median "
               f"{statistics.median(x['paired']['tokens_s'] for x in runs):.1f} tok/s, median "
               f"{statistics.median(fr):.0%} of the roofline (rounds {min(fr):.0%}-{max(fr):.0%})")  # fmt: skip
+        if splits := [x["paired"]["split"] for x in runs if "split" in x["paired"]]:
+            med = {k: statistics.median(sp[k] for sp in splits) for k in splits[0]}
+            print(f"split, median of the rounds: layers {med['layers_of_read']:.0%} and head "
+                  f"{med['head_of_read']:.0%} of a read of their bytes, host "
+                  f"{med['host_s'] * 1e3:.2f} ms a step")  # fmt: skip
     for key, name in (("llama_cpp", "llama.cpp"), ("float32", "pdserve float32")):
         if out[key]:
             ratios = [a["tokens_s"] / b["tokens_s"] for a, b in zip(out["pdserve"], out[key])]
@@ -249,12 +263,20 @@ def main() -> int:
     p.add_argument("--precision", choices=tuple(GGUF_TYPES), default="F32",
                    help="the head to head's precision: F32 (float32), Q8_0 (pdserve int8), "
                    "Q4_0 or Q4_1 (pdserve int4, groups of 32; Q4_1 is its format)")  # fmt: skip
+    p.add_argument("--split", action="store_true",
+                   help="with --head-to-head: also pair the step's fused layers and its head "
+                   "with reads of their own bytes, and report the host's time per step")  # fmt: skip
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = make_model(args.model_dir or Path("/tmp/pdbench/llama-125m"))
     if args.head_to_head:
         out = head_to_head(
-            model_dir, args.llama_cpp, args.threads, args.head_to_head, args.precision
+            model_dir,
+            args.llama_cpp,
+            args.threads,
+            args.head_to_head,
+            args.precision,
+            args.split,
         )
         if args.output:
             out.update(machine=machine_info(), code=code_info(), threads=args.threads)

@@ -156,7 +156,9 @@ def prefill_rate(llm: LLM, prompt: list[int]) -> float:
     return len(prompt) / best
 
 
-def paired_decode(llm: LLM, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+def paired_decode(
+    llm: LLM, prompt: list[int], new_tokens: int, split: bool = False
+) -> dict[str, Any]:
     """Batch-1 decode with each step paired with a read of the step's own bytes, one right
     after the other: the fraction of the read-bandwidth roofline step by step.
 
@@ -166,7 +168,12 @@ def paired_decode(llm: LLM, prompt: list[int], new_tokens: int) -> dict[str, Any
     the best of two of the native streaming sum (`kernels/cpu_memory.c`, the fastest read this
     machine has; on huge pages where the weights are) over a buffer of the step's bytes, so the
     fraction is read time / step time, a stricter roofline than one sample of the minute.
-    Returns the median step, the median fraction and its deciles."""
+    Returns the median step, the median fraction and its deciles.
+
+    `split` also times the two products inside each step, the fused step's one call over the
+    layers and the output head, each paired with a read of its own bytes (the head's weight;
+    the layers' are the rest of the step's), and the host's share: the step's time outside
+    both (scheduling, inputs, sampling, bookkeeping). Needs the fused decode step."""
     from pdserve.kernels import huge_pages, memory
 
     engine, totals = llm.engine, llm.engine.core.stats.totals
@@ -175,25 +182,68 @@ def paired_decode(llm: LLM, prompt: list[int], new_tokens: int) -> dict[str, Any
     b0, s0 = before.bytes, before.steps
     llm.generate([prompt], greedy(8))
     nbytes = (totals["decode"].bytes - b0) / (totals["decode"].steps - s0)
-    buf = torch.ones(int(nbytes) // 4)
-    if huge_pages.available():
-        (buf,) = huge_pages.arena([buf])
     read = memory.read_sum if memory.available()[0] else torch.Tensor.sum
+
+    def buffer(n: float) -> torch.Tensor:
+        buf = torch.ones(int(n) // 4)
+        return huge_pages.arena([buf])[0] if huge_pages.available() else buf
 
     def timed(fn, *args) -> float:
         t0 = time.perf_counter()
         fn(*args)
         return time.perf_counter() - t0
 
+    buf = buffer(nbytes)
+    model = engine.core.runner.model
+    parts: dict[str, float] = {}
+    if split:
+        if model.fused_decode is None:
+            raise ValueError("paired_decode(split=True) needs the fused decode step")
+        head = model.lm_head if model.lm_head is not None else model.embed_tokens
+        # its weights: parameters, or the packed tensors a native layer keeps as attributes
+        held = [*head.state_dict().values(), *vars(head).values()]
+        tensors = {t.data_ptr(): t for t in held if isinstance(t, torch.Tensor)}
+        head_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        bufs = {"head": buffer(head_bytes), "layers": buffer(nbytes - head_bytes)}
+
+        def timing(name: str, fn):
+            def call(*args):
+                t0 = time.perf_counter()
+                out = fn(*args)
+                parts[name] = time.perf_counter() - t0
+                return out
+
+            return call
+
+        fused, logits = model.fused_decode, model.compute_logits
+        model.fused_decode = timing("layers", fused)
+        model.compute_logits = timing("head", logits)
     engine.add_request("paired", prompt, greedy(new_tokens))
     engine.step()  # the prompt
     steps, fractions = [], []
-    while engine.has_unfinished:
-        step_s = timed(engine.step)
-        read_s = min(timed(read, buf), timed(read, buf))
-        steps.append(step_s)
-        fractions.append(read_s / step_s)
+    split_rows: list[tuple[float, float, float]] = []  # host s, layers and head of the read
+    try:
+        while engine.has_unfinished:
+            parts.clear()
+            step_s = timed(engine.step)
+            read_s = min(timed(read, buf), timed(read, buf))
+            steps.append(step_s)
+            fractions.append(read_s / step_s)
+            if split and len(parts) == 2:
+                reads = {k: min(timed(read, b), timed(read, b)) for k, b in bufs.items()}
+                split_rows.append((step_s - parts["layers"] - parts["head"],
+                                   reads["layers"] / parts["layers"],
+                                   reads["head"] / parts["head"]))  # fmt: skip
+    finally:
+        if split:
+            model.fused_decode = fused
+            del model.compute_logits  # the class's method again
     q = statistics.quantiles(fractions, n=10)
-    return {"step_s": statistics.median(steps), "tokens_s": 1 / statistics.median(steps),
-            "bytes_per_step": nbytes, "roofline_fraction": statistics.median(fractions),
-            "roofline_fraction_p10_p90": [q[0], q[-1]], "steps": len(steps)}  # fmt: skip
+    out = {"step_s": statistics.median(steps), "tokens_s": 1 / statistics.median(steps),
+           "bytes_per_step": nbytes, "roofline_fraction": statistics.median(fractions),
+           "roofline_fraction_p10_p90": [q[0], q[-1]], "steps": len(steps)}  # fmt: skip
+    if split_rows:
+        host, layers, head = zip(*split_rows)
+        out["split"] = {"host_s": statistics.median(host), "layers_of_read": statistics.median(layers),
+                        "head_of_read": statistics.median(head), "steps": len(split_rows)}  # fmt: skip
+    return out
