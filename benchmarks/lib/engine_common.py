@@ -199,11 +199,10 @@ def paired_decode(
     if split:
         if model.fused_decode is None:
             raise ValueError("paired_decode(split=True) needs the fused decode step")
-        head = model.lm_head if model.lm_head is not None else model.embed_tokens
-        # its weights: parameters, or the packed tensors a native layer keeps as attributes
-        held = [*head.state_dict().values(), *vars(head).values()]
-        tensors = {t.data_ptr(): t for t in held if isinstance(t, torch.Tensor)}
-        head_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        # the head's share of the step's bytes, as the step's statistics count it
+        runner, cfg = engine.core.runner, model.config
+        per_param = runner.matmul_bytes_per_param or model.norm.weight.element_size()
+        head_bytes = cfg.vocab_size * cfg.hidden_size * per_param
         bufs = {"layers": buffer(nbytes - head_bytes), "head": buffer(head_bytes)}
 
         def timing(name: str, fn):
@@ -218,11 +217,11 @@ def paired_decode(
         fused, logits = model.fused_decode, model.compute_logits
         model.fused_decode = timing("layers", fused)
         model.compute_logits = timing("head", logits)
-    engine.add_request("paired", prompt, greedy(new_tokens))
-    engine.step()  # the prompt
     steps, fractions = [], []
     split_rows: list[tuple[float, float, float]] = []  # host s, layers and head of the read
     try:
+        engine.add_request("paired", prompt, greedy(new_tokens))
+        engine.step()  # the prompt
         while engine.has_unfinished:
             parts.clear()
             step_s = timed(engine.step)
