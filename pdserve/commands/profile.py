@@ -4,7 +4,8 @@ Writes the profile JSON that `pdserve simulate` (and the planner) read: a fitted
 per thread count and KV transfer rates (see pdserve/perf/step_profile.py for what runs), and
 what serving adds to a step (pdserve/perf/serving_costs.py: a short `pdserve serve` run). The
 engine flags are `pdserve serve`'s, so the profile is of the engine a deployment would run
-(`--linear-backend`, `--dtype`, ...).
+(`--linear-backend`, `--dtype`, ...). A profile keeps the steps it measured, so `--refit`
+fits them again (a later version's fit, or `--no-decode-split`) without measuring anything.
 """
 
 from __future__ import annotations
@@ -38,6 +39,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="skip measuring what serving adds (a pdserve serve of the model on every allowed "
         "CPU, about a minute: the frontend's CPU per output token and its latency)",
     )
+    g.add_argument(
+        "--no-decode-split",
+        dest="split_decode",
+        action="store_false",
+        help="fit every decode-only step with one line, even where wide decode batches fit "
+        "better apart (the kernel's tile of rows)",
+    )
+    g.add_argument(
+        "--refit",
+        metavar="FILE",
+        help="measure nothing: fit the step models again to the steps a measured profile kept, "
+        "with this version's fit (and --no-decode-split), and write them to --output",
+    )
     g.add_argument("--mfu", type=float, default=0.5, help="--analytic: MFU reached (0.5)")
     g.add_argument("--mbu", type=float, default=0.7, help="--analytic: MBU reached (0.7)")
     add_engine_arguments(p)
@@ -46,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pdserve.commands.engine_args import engine_args_from
 
+    if args.refit:
+        return _refit(args)
     engine = engine_args_from(args)
     if args.analytic:
         return _analytic(args, engine)
@@ -59,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"invalid --repeats {args.repeats}: must be >= 1")
     from pdserve.perf.step_profile import measure_profile
 
-    profile = measure_profile(engine, threads, repeats=args.repeats)
+    profile = measure_profile(engine, threads, repeats=args.repeats, split_decode=args.split_decode)
     if args.serving_costs:
         from pdserve.perf.serving_costs import measure_serving_costs
 
@@ -83,5 +99,22 @@ def _analytic(args: argparse.Namespace, engine) -> int:
     profile = analytic_profile(config, args.analytic, dtype=dtype, mfu=args.mfu, mbu=args.mbu)
     profile.save(args.output)
     print("\n".join(profile.notes))
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _refit(args: argparse.Namespace) -> int:
+    from pdserve.planner.profile import Profile, refit
+
+    profile = refit(Profile.load(args.refit), split_decode=args.split_decode)
+    for size, model in sorted(profile.step_models.items()):
+        wide = getattr(model, "wide_decode", None)
+        split = f"decode batches of more than {model.wide_rows} apart" if wide else "no split"
+        print(f"{size} thread(s): {len(profile.samples[size])} steps refitted ({split})")
+    if profile.serving is not None:
+        s = profile.serving
+        print(f"served-step factors x{s.decode_step_factor:.2f} (decode), "
+              f"x{s.prefill_step_factor:.2f} (prompt)")  # fmt: skip
+    profile.save(args.output)
     print(f"wrote {args.output}")
     return 0

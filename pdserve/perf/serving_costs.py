@@ -32,7 +32,8 @@ from pathlib import Path
 from pdserve.config import EngineArgs
 from pdserve.heap import frozen_heap
 from pdserve.planner.profile import ServingCosts
-from pdserve.planner.step_model import StepModel, StepShape
+from pdserve.planner.profile import step_factors as profile_step_factors
+from pdserve.planner.step_model import StepModel
 
 NUM_REQUESTS = 32
 CONCURRENCY = 6
@@ -92,15 +93,17 @@ def measure_serving_costs(
     ]
     frontend_cpu = window.increase("process_cpu_seconds_total") / tokens
     client_cpu = client_cpu / tokens
+    calibration = served_steps(sequential)
     factors = {}
     if step_model is not None:
-        factors = step_factors(sequential, step_model, frontend_cpu + client_cpu)
+        factors = profile_step_factors(calibration, step_model, frontend_cpu + client_cpu)
     costs = ServingCosts(
         cpus=len(cpus),
         frontend_cpu_per_token_s=frontend_cpu,
         client_cpu_per_token_s=client_cpu,
         frontend_latency_s=max(statistics.median(outside), 0.0) if outside else 0.0,
         **factors,
+        calibration_steps=calibration,
     )
     log(
         f"serving on {len(cpus)} CPUs: frontend {costs.frontend_cpu_per_token_s * 1e3:.2f} ms and "
@@ -112,33 +115,26 @@ def measure_serving_costs(
     return costs
 
 
-def step_factors(records, model: StepModel, cpu_per_token_s: float) -> dict[str, float]:
-    """The served/in-process factors from requests served one at a time (`RequestRecord`s):
-    the prompt's step is the server's TTFT, a decode step the median gap between tokens; each
-    less the CPU one token costs, over the model's time for the same shape. A factor is left
-    at 1.0 where no request measured it."""
-    prefill, decode, predicted_prefill, predicted_decode = [], [], [], []
+def served_steps(records) -> list[list]:
+    """The steps of requests served one at a time (`RequestRecord`s), [q_lens, ctx_lens,
+    seconds] each: the prompt's step is the server's TTFT, a decode step the gap between two
+    tokens (the gap before token k + 2 is the step that ends at context p + k + 2)."""
+    steps = []
     for r in records:
         if r.status != "completed" or not r.server_timings:
             continue
         p = r.num_input_tokens
         if r.server_timings.get("ttft_ms") is not None:
-            prefill.append(r.server_timings["ttft_ms"] / 1e3)
-            predicted_prefill.append(model.predict(StepShape.of([p], [p], 1)))
-        gaps = r.itl  # the gap before token k + 2 is the step that ends at context p + k + 2
-        decode += gaps
-        predicted_decode += [
-            model.predict(StepShape.of([1], [p + k + 2], 1)) for k in range(len(gaps))
-        ]
-    factors = {}
-    for name, served, predicted in (
-        ("prefill_step_factor", prefill, predicted_prefill),
-        ("decode_step_factor", decode, predicted_decode),
-    ):
-        own = statistics.median(served) - cpu_per_token_s if served else 0.0
-        if own > 0:
-            factors[name] = own / statistics.median(predicted)
-    return factors
+            steps.append([[p], [p], r.server_timings["ttft_ms"] / 1e3])
+        steps += [[[1], [p + k + 2], gap] for k, gap in enumerate(r.itl)]
+    return steps
+
+
+def step_factors(records, model: StepModel, cpu_per_token_s: float) -> dict[str, float]:
+    """The served/in-process factors from requests served one at a time: each kind of step's
+    median served time less the CPU one token costs, over the model's time for the same shapes
+    (`planner.profile.step_factors`). A factor is left at 1.0 where no request measured it."""
+    return profile_step_factors(served_steps(records), model, cpu_per_token_s)
 
 
 def _free_port() -> int:

@@ -8,8 +8,10 @@ to 2048), decode batches of 1 to 32 sequences at short and long contexts and of 
 with prefill chunks (mixed steps), and serving's steady state (requests of spread lengths
 arriving every few steps while others decode). Every step's shape (`StepShape`, taken from the
 scheduler's plan) and wall time (`EngineCore.step`: schedule, forward, sample, update) is
-recorded, and a `SplitStepModel` (decode-only steps fitted apart) per thread count; the fit's
-error on the measured steps is printed and kept in the profile's notes. KV transfers: `shm` is a copy into shared
+recorded, and a `SplitStepModel` (decode-only steps fitted apart, wide decode batches apart
+again where that fits them better) per thread count; the fit's error on the measured steps is
+printed and kept in the profile's notes, and the steps themselves in the profile, so that a
+later fit can use them again (`pdserve profile --refit`). KV transfers: `shm` is a copy into shared
 memory, so its rate is this machine's measured copy bandwidth; `tcp` is measured by sending
 1 MiB frames over a loopback ZMQ socket.
 """
@@ -43,11 +45,13 @@ def measure_profile(
     threads: Sequence[int],
     *,
     repeats: int = 2,
+    split_decode: bool = True,
     log: Callable[[str], None] = print,
 ) -> Profile:
-    """Measure and fit a profile for each thread count in `threads`."""
+    """Measure and fit a profile for each thread count in `threads` (`split_decode`: see
+    `SplitStepModel.fit`)."""
     allowed = sorted(os.sched_getaffinity(0))
-    models, notes = {}, []
+    models, notes, kept = {}, [], {}
     shape = ModelShape.from_hf_config(_hf_config(args.model))
     kv_bytes_per_token = 0
     for n in threads:
@@ -60,12 +64,18 @@ def measure_profile(
             samples = run_scenarios(core, repeats, log=lambda m, n=n: log(f"[{n} thread(s)] {m}"))
         finally:
             os.sched_setaffinity(0, allowed)
-        model = SplitStepModel.fit([s for s, _ in samples], [t for _, t in samples])
+        model = SplitStepModel.fit(
+            [s for s, _ in samples], [t for _, t in samples], split_decode=split_decode
+        )
         err = _fit_error(model, samples)
         models[n] = model
+        kept[n] = [[list(s.q_lens), list(s.ctx_lens), s.num_sampled, t] for s, t in samples]
+        wide = f"; decode batches of more than {model.wide_rows} fitted apart" * bool(
+            model.wide_decode
+        )
         note = (
             f"{n} thread(s) on CPUs {allowed[:n]}: {len(samples)} steps, fit error "
-            f"median {err[0]:.1%}, p90 {err[1]:.1%}"
+            f"median {err[0]:.1%}, p90 {err[1]:.1%}{wide}"
         )
         notes.append(note)
         log(note)
@@ -83,6 +93,7 @@ def measure_profile(
         step_models=models,
         transfers=transfers,
         notes=notes,
+        samples=kept,
     )
 
 

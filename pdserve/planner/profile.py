@@ -11,11 +11,18 @@ token and its latency (`serving`). `pdserve profile` measures one on this machin
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pdserve.planner.step_model import StepModel, step_model_from_dict
+from pdserve.planner.step_model import (
+    SplitStepModel,
+    StepModel,
+    StepShape,
+    step_model_from_dict,
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,9 @@ class ServingCosts:
     frontend_latency_s: float
     decode_step_factor: float = 1.0  # a served decode-only step / the step model's prediction
     prefill_step_factor: float = 1.0  # a served step with prompt tokens / the prediction
+    # the served steps the factors come from, [q_lens, ctx_lens, seconds] each (CPU per token
+    # included), so that a refitted step model gets its own factors (`refit`)
+    calibration_steps: list = field(default_factory=list)
 
 
 @dataclass
@@ -58,6 +68,9 @@ class Profile:
     transfers: dict[str, TransferModel] = field(default_factory=dict)  # by transport
     notes: list[str] = field(default_factory=list)  # how it was measured or assumed
     serving: ServingCosts | None = None  # measured profiles: the frontend's share of the CPUs
+    # measured profiles: the steps the models were fitted to, by worker size, [q_lens, ctx_lens,
+    # num_sampled, seconds] each, so that a later version of the fit can refit them (`refit`)
+    samples: dict[int, list] = field(default_factory=dict)
 
     def step_model(self, size: int) -> StepModel:
         """The model of a worker of `size` threads or devices (the nearest measured size)."""
@@ -84,6 +97,7 @@ class Profile:
             },
             "notes": self.notes,
             "serving": None if self.serving is None else asdict(self.serving),
+            "samples": {str(k): v for k, v in sorted(self.samples.items())},
         }
 
     @classmethod
@@ -97,6 +111,7 @@ class Profile:
             transfers={k: TransferModel(**t) for k, t in d.get("transfers", {}).items()},
             notes=list(d.get("notes", [])),
             serving=ServingCosts(**d["serving"]) if d.get("serving") else None,
+            samples={int(k): v for k, v in d.get("samples", {}).items()},
         )
 
     def save(self, path: str | Path) -> None:
@@ -105,6 +120,50 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def step_factors(steps: list, model: StepModel, cpu_per_token_s: float) -> dict[str, float]:
+    """The served/in-process factors of `ServingCosts` from served steps of known shape
+    ([q_lens, ctx_lens, seconds] each, `calibration_steps`): per kind of step, the median served
+    time less the CPU one token costs, over the median of the model's times for the same shapes.
+    A kind with no served step is left out (its factor stays 1.0)."""
+    served: dict[bool, list[float]] = {True: [], False: []}
+    predicted: dict[bool, list[float]] = {True: [], False: []}
+    for q_lens, ctx_lens, seconds in steps:
+        shape = StepShape.of(q_lens, ctx_lens, 1)
+        served[shape.is_decode].append(seconds)
+        predicted[shape.is_decode].append(model.predict(shape))
+    factors = {}
+    for name, decode in (("prefill_step_factor", False), ("decode_step_factor", True)):
+        own = statistics.median(served[decode]) - cpu_per_token_s if served[decode] else 0.0
+        if own > 0:
+            factors[name] = own / statistics.median(predicted[decode])
+    return factors
+
+
+def refit(profile: Profile, *, split_decode: bool = True) -> Profile:
+    """`profile` with its step models fitted again to the steps it kept (`samples`), by this
+    version's `SplitStepModel.fit`, and its served-step factors computed again against the new
+    models from the served steps it kept. Nothing is measured."""
+    if profile.kind != "measured" or not profile.samples:
+        raise ValueError("only a measured profile that kept its steps can be refitted")
+    models, notes = {}, list(profile.notes)
+    for size, rows in sorted(profile.samples.items()):
+        shapes, seconds = [StepShape.of(q, c, n) for q, c, n, _ in rows], [t for *_, t in rows]
+        models[size] = model = SplitStepModel.fit(shapes, seconds, split_decode=split_decode)
+        errors = sorted(abs(model.predict(s) / t - 1) for s, t in zip(shapes, seconds))
+        wide = f", decode batches of more than {model.wide_rows} apart" * bool(model.wide_decode)
+        notes.append(
+            f"refitted, {size} thread(s): fit error median {statistics.median(errors):.1%}, "
+            f"p90 {errors[int(0.9 * (len(errors) - 1))]:.1%}{wide}"
+        )
+    out = dataclasses.replace(profile, step_models=models, notes=notes)
+    served = profile.serving
+    if served is not None and served.calibration_steps:
+        cpu = served.frontend_cpu_per_token_s + served.client_cpu_per_token_s
+        factors = step_factors(served.calibration_steps, out.step_model(served.cpus), cpu)
+        out.serving = dataclasses.replace(served, **factors)
+    return out
 
 
 # Assumed transfer paths between workers of a GPU deployment, by the transport that would carry

@@ -16,7 +16,9 @@ sequence, and how many of them sample. These models turn a shape into seconds:
   step (decode is bandwidth-bound), T the matrix products' work, A, K and P the attention's.
   Coefficients are fitted by least squares and kept >= 0.
 - `SplitStepModel`, what `pdserve profile` fits: one `LinearStepModel` for decode-only steps
-  and one for steps with prompt tokens.
+  and one for steps with prompt tokens; and, where the measured steps call for it, a third for
+  decode batches wider than `wide_rows` sequences (a kernel that multiplies a few rows in one
+  pass over the weights changes its method past its register tile, and the step time with it).
 - `AnalyticStepModel`, for hardware that is not here: the step's FLOPs and bytes
   (`perf.cost.step_cost`) against datasheet peaks scaled by efficiency factors, plus a fixed
   overhead: `t = overhead + max(flops / (peak * mfu), bytes / (bandwidth * mbu))`.
@@ -135,22 +137,42 @@ class AnalyticStepModel:
 
 @dataclass(frozen=True)
 class SplitStepModel:
-    """Two linear models: one for decode-only steps (every sequence computes one token), one
-    for steps with prompt tokens. A decode step's matrix products have a handful of rows, where
-    a kernel's cost per row is far from what it is in a prefill's hundreds: one line through
-    both misses the decode steps that serving is mostly made of."""
+    """Linear models by kind of step: one for decode-only steps (every sequence computes one
+    token), one for steps with prompt tokens. A decode step's matrix products have a handful of
+    rows, where a kernel's cost per row is far from what it is in a prefill's hundreds: one line
+    through both misses the decode steps that serving is mostly made of. Decode batches of more
+    than `wide_rows` sequences take `wide_decode` when there is one: a product over a few rows
+    streams the weights once at a cost that hardly grows with the rows, and past the kernel's
+    tile of rows it works another way (llama-125m in float32 on 2 cores of a Zen 4: 1 to 6
+    sequences at 65-75 tokens of context took 10-13 ms a step, 8 sequences 27-29 ms)."""
 
     decode: LinearStepModel
     prefill: LinearStepModel  # prefill and mixed steps
+    wide_decode: LinearStepModel | None = None  # decode batches of more than `wide_rows`
+    wide_rows: int = 0
+
+    # `fit` splits the decode steps only where that cuts their squared relative error by this
+    # share at least: a split always fits the measured steps a little better, noise included.
+    MIN_SPLIT_GAIN = 0.25
 
     def predict(self, shape: StepShape) -> float:
-        model = self.decode if shape.is_decode else self.prefill
-        return model.predict(shape)
+        return self._model_for(shape).predict(shape)
+
+    def _model_for(self, shape: StepShape) -> LinearStepModel:
+        if not shape.is_decode:
+            return self.prefill
+        if self.wide_decode is not None and len(shape.q_lens) > self.wide_rows:
+            return self.wide_decode
+        return self.decode
 
     @classmethod
-    def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float]) -> SplitStepModel:
-        """Each half fitted on its own steps (`LinearStepModel.fit`); a half with no step of
-        its own takes the fit of all of them."""
+    def fit(
+        cls, shapes: Sequence[StepShape], seconds: Sequence[float], *, split_decode: bool = True
+    ) -> SplitStepModel:
+        """Each kind fitted on its own steps (`LinearStepModel.fit`); a kind with no step of
+        its own takes the fit of all of them. With `split_decode`, the decode steps are also
+        tried split at every batch size that leaves at least three batch sizes on either side,
+        and the best split is kept if it fits them `MIN_SPLIT_GAIN` better than one line."""
         pairs = list(zip(shapes, seconds))
         both = LinearStepModel.fit(shapes, seconds)
 
@@ -159,13 +181,35 @@ class SplitStepModel:
                 return both
             return LinearStepModel.fit([s for s, _ in chosen], [t for _, t in chosen])
 
-        return cls(
-            fit([p for p in pairs if p[0].is_decode]),
-            fit([p for p in pairs if not p[0].is_decode]),
-        )
+        decodes = [p for p in pairs if p[0].is_decode]
+        prefill = fit([p for p in pairs if not p[0].is_decode])
+        one = fit(decodes)
+        if not split_decode:
+            return cls(one, prefill)
+        best, best_error = None, _squared_error(one, decodes)
+        sizes = sorted({len(s.q_lens) for s, _ in decodes})
+        for rows in sizes[2:-3]:  # three sizes at least on each side
+            narrow = [p for p in decodes if len(p[0].q_lens) <= rows]
+            wide = [p for p in decodes if len(p[0].q_lens) > rows]
+            models = fit(narrow), fit(wide)
+            error = _squared_error(models[0], narrow) + _squared_error(models[1], wide)
+            if error < best_error:
+                best, best_error = (rows, *models), error
+        if best is None or best_error > (1 - cls.MIN_SPLIT_GAIN) * _squared_error(one, decodes):
+            return cls(one, prefill)
+        rows, narrow_model, wide_model = best
+        return cls(narrow_model, prefill, wide_model, rows)
 
     def to_dict(self) -> dict:
-        return {"kind": "split", "decode": self.decode.to_dict(), "prefill": self.prefill.to_dict()}
+        d = {"kind": "split", "decode": self.decode.to_dict(), "prefill": self.prefill.to_dict()}
+        if self.wide_decode is not None:
+            d.update(wide_decode=self.wide_decode.to_dict(), wide_rows=self.wide_rows)
+        return d
+
+
+def _squared_error(model: LinearStepModel, pairs: Sequence[tuple[StepShape, float]]) -> float:
+    """The sum of squared relative errors (`LinearStepModel.fit`'s objective)."""
+    return sum((model.predict(s) / t - 1) ** 2 for s, t in pairs)
 
 
 StepModel = LinearStepModel | SplitStepModel | AnalyticStepModel
@@ -177,7 +221,13 @@ def step_model_from_dict(d: dict) -> StepModel:
     if kind == "linear":
         return LinearStepModel(**{t: float(d.get(t, 0.0)) for t in TERMS})
     if kind == "split":
-        return SplitStepModel(step_model_from_dict(d["decode"]), step_model_from_dict(d["prefill"]))
+        wide = d.get("wide_decode")  # profiles fitted before the split lack it
+        return SplitStepModel(
+            step_model_from_dict(d["decode"]),
+            step_model_from_dict(d["prefill"]),
+            None if wide is None else step_model_from_dict(wide),
+            int(d.get("wide_rows", 0)),
+        )
     if kind == "analytic":
         return AnalyticStepModel(ModelShape(**d.pop("shape")), **d)
     raise ValueError(f"unknown step model kind {kind!r}")

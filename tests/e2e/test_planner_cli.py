@@ -68,3 +68,12 @@ def test_a_measured_profile_fits_this_machine(stories_path, tmp_path):
     assert 0 < model.predict(one) < model.predict(batch)
     assert 0 < model.predict(short) < model.predict(long)
     assert d["transfers"]["shm"]["bytes_per_s"] > 0
+    # it keeps the steps it measured, and a refit fits them again without measuring
+    assert len(d["samples"]["1"]) > 100
+    again = tmp_path / "again.json"
+    text = pdserve("profile", "--model", stories_path, "--refit", str(prof), "--no-decode-split",
+                   "--output", str(again))  # fmt: skip
+    assert "steps refitted (no split)" in text
+    refitted = json.loads(again.read_text())
+    assert refitted["samples"] == d["samples"] and "wide_decode" not in refitted["step_models"]["1"]
+    assert "refitted, 1 thread(s): fit error" in refitted["notes"][-1]

@@ -264,6 +264,70 @@ def test_split_fit_models_decode_steps_apart_from_prompt_steps():
     assert step_model_from_dict(split.to_dict()) == split
 
 
+def test_split_fit_puts_wide_decode_batches_apart_where_they_fit_better():
+    # a product over a few rows streams the weights once; past its tile of rows it changes
+    narrow = LinearStepModel(0.012, 0.0, 3e-6, 0.0, 0.0)
+    wide = LinearStepModel(0.017, 0.0012, 1e-6, 0.0, 0.0)
+    prefill = LinearStepModel(0.01, 0.001, 1e-8, 0.0, 0.0)
+    decodes = [
+        StepShape.of([1] * b, [c] * b, b) for b in (1, 2, 4, 6, 8, 16, 32) for c in (64, 512)
+    ]
+    prompts = [StepShape.of([q], [q + c], 1) for q in (16, 128, 512) for c in (0, 512)]
+
+    def truth(s):
+        if not s.is_decode:
+            return prefill.predict(s)
+        return (narrow if len(s.q_lens) <= 6 else wide).predict(s)
+
+    shapes = decodes + prompts
+    times = [truth(s) for s in shapes]
+    split = SplitStepModel.fit(shapes, times)
+    assert split.wide_rows == 6 and split.wide_decode is not None
+    for s, t in zip(shapes, times):
+        assert split.predict(s) == pytest.approx(t, rel=1e-6)
+    assert step_model_from_dict(split.to_dict()) == split
+    # asked not to, or where one line fits every decode step, the fit does not split
+    one_line = SplitStepModel.fit(shapes, times, split_decode=False)
+    assert one_line.wide_decode is None
+    assert max(abs(one_line.predict(s) / t - 1) for s, t in zip(shapes, times)) > 0.1
+    straight = [wide.predict(s) if s.is_decode else t for s, t in zip(shapes, times)]
+    assert SplitStepModel.fit(shapes, straight).wide_decode is None
+    # a profile fitted before the split reads as one without it
+    old = split.to_dict()
+    del old["wide_decode"], old["wide_rows"]
+    assert step_model_from_dict(old) == SplitStepModel(split.decode, split.prefill)
+
+
+def test_refit_fits_the_kept_steps_again_and_their_served_factors():
+    from pdserve.planner.profile import refit
+
+    narrow = LinearStepModel(0.012, 0.0, 3e-6, 0.0, 0.0)
+    wide = LinearStepModel(0.017, 0.0012, 1e-6, 0.0, 0.0)
+    prefill = LinearStepModel(0.01, 0.001, 1e-8, 0.0, 0.0)
+    truth = SplitStepModel(narrow, prefill, wide, 6)
+    shapes = [StepShape.of([1] * b, [c] * b, b) for b in (1, 2, 4, 6, 8, 16, 32) for c in (64, 512)]
+    shapes += [StepShape.of([q], [q + c], 1) for q in (16, 128, 512) for c in (0, 512)]
+    samples = [[list(s.q_lens), list(s.ctx_lens), s.num_sampled, truth.predict(s)] for s in shapes]
+    cpu = 0.002  # per token, frontend and client together
+    calibration = [[[256], [256], 1.25 * truth.predict(StepShape.of([256], [256], 1)) + cpu]]
+    calibration += [
+        [[1], [256 + k], 1.1 * truth.predict(StepShape.of([1], [256 + k], 1)) + cpu]
+        for k in range(2, 40)
+    ]
+    costs = ServingCosts(2, 0.0015, 0.0005, 0.01, 1.0, 1.0, calibration)
+    old = Profile("measured", "synthetic", 36864, 12, {2: TWO}, serving=costs, samples={2: samples})
+    new = refit(Profile.from_dict(old.to_dict()))  # what it kept survives the JSON
+    model = new.step_model(2)
+    assert model.wide_rows == 6
+    assert all(model.predict(s) == pytest.approx(truth.predict(s), rel=1e-6) for s in shapes)
+    assert new.serving.decode_step_factor == pytest.approx(1.1, rel=1e-6)
+    assert new.serving.prefill_step_factor == pytest.approx(1.25, rel=1e-6)
+    assert "refitted, 2 thread(s)" in new.notes[-1]
+    assert refit(old, split_decode=False).step_model(2).wide_decode is None
+    with pytest.raises(ValueError, match="kept its steps"):
+        refit(PROFILE)  # nothing kept
+
+
 def test_analytic_model_is_a_roofline():
     shape = ModelShape(4096, 32, 32, 8, 128, 14336, 128256)  # a Llama 3 8B
     h100 = AnalyticStepModel(shape, peak_flops=989e12, bandwidth=3.35e12, mfu=0.5, mbu=0.7)
