@@ -15,7 +15,11 @@ profile's in-process step of the same shape by more than the frontend's CPU per 
 worker's loop between steps; the frontend's and the client's processes preempting one of the
 worker's threads, which the other then waits for at the next barrier). The factor per kind of
 step is the served time (the server's TTFT for the prompt step, the client's median inter-token
-time for decodes) less the CPU per token, over the step model's prediction.
+time for decodes) less the CPU per token, over the in-process time of the same steps: each
+request served alone is run again in this process right after (the server idle), so that the
+two sides of the ratio are taken seconds apart. This machine's speed moves by a third from
+minute to minute, and the ratio against the profile's model, fitted minutes earlier, took that
+drift in with the serving overhead (x1.35 decode on one profile, x1.09 on another).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from pdserve.planner.step_model import StepModel
 NUM_REQUESTS = 32
 CONCURRENCY = 6
 INPUT_LEN, OUTPUT_LEN = 256, 64
-NUM_SEQUENTIAL = 4  # requests sent one at a time, for the served/in-process step factors
+NUM_SEQUENTIAL = 8  # requests sent one at a time, for the served/in-process step factors
 
 
 def measure_serving_costs(
@@ -72,9 +76,16 @@ def measure_serving_costs(
     client = ClientConfig(base_url, args.model, "completions")
     log_path = Path(tempfile.mkdtemp(prefix="pdserve-profile-")) / "serve.log"
     # the client's heap frozen as `pdserve bench` freezes it: its CPU per token is that client's
+    core = _in_process_engine(args, len(cpus))
     with ServerProcess(Deployment("calibration", base_url, tuple(serve)), log_path), frozen_heap():
         asyncio.run(run_requests(prompts[:CONCURRENCY], client, CONCURRENCY))  # warm up
-        sequential = asyncio.run(run_requests(alone, client, 1))
+        # each request served alone, then the same shapes in-process (the server idle): the
+        # pairs lie seconds apart, where this machine's speed can move by a third in minutes
+        sequential, in_process = [], []
+        for prompt in alone:
+            sequential += asyncio.run(run_requests([prompt], client, 1))
+            in_process.append(_run_in_process(core, sequential[-1]))
+        del core
         before = fetch_metrics(base_url)
         cpu0 = time.process_time()
         records = asyncio.run(run_requests(prompts, client, CONCURRENCY))
@@ -93,7 +104,7 @@ def measure_serving_costs(
     ]
     frontend_cpu = window.increase("process_cpu_seconds_total") / tokens
     client_cpu = client_cpu / tokens
-    calibration = served_steps(sequential)
+    calibration = served_steps(sequential, in_process)
     factors = {}
     if step_model is not None:
         factors = profile_step_factors(calibration, step_model, frontend_cpu + client_cpu)
@@ -115,19 +126,61 @@ def measure_serving_costs(
     return costs
 
 
-def served_steps(records) -> list[list]:
+def served_steps(records, in_process: list[list[float]] | None = None) -> list[list]:
     """The steps of requests served one at a time (`RequestRecord`s), [q_lens, ctx_lens,
     seconds] each: the prompt's step is the server's TTFT, a decode step the gap between two
-    tokens (the gap before token k + 2 is the step that ends at context p + k + 2)."""
+    tokens (the gap before token k + 2 is the step that ends at context p + k + 2). With
+    `in_process` (per record, the step times of the same request run in-process: the prompt's
+    step, then its decodes), each step gets its in-process time as a fourth value."""
     steps = []
-    for r in records:
+    for i, r in enumerate(records):
         if r.status != "completed" or not r.server_timings:
             continue
+        own = in_process[i] if in_process is not None else []
+
+        def step(q_lens, ctx_lens, served, j, own=own):  # j: the step's place in `own`
+            return [q_lens, ctx_lens, served, *own[j : j + 1]]
+
         p = r.num_input_tokens
         if r.server_timings.get("ttft_ms") is not None:
-            steps.append([[p], [p], r.server_timings["ttft_ms"] / 1e3])
-        steps += [[[1], [p + k + 2], gap] for k, gap in enumerate(r.itl)]
+            steps.append(step([p], [p], r.server_timings["ttft_ms"] / 1e3, 0))
+        steps += [step([1], [p + k + 2], gap, k + 1) for k, gap in enumerate(r.itl)]
     return steps
+
+
+def _in_process_engine(args: EngineArgs, threads: int):
+    """An engine in this process on every allowed CPU, warmed up, with room for one request."""
+    import dataclasses
+
+    from pdserve.engine.core import EngineCore
+
+    core = EngineCore(dataclasses.replace(args, num_threads=threads, num_kv_blocks=256))
+    _generate(core, INPUT_LEN, 4)
+    return core
+
+
+def _run_in_process(core, record) -> list[float]:
+    """The step times of `record`'s request run in `core`: its prompt's length (random tokens),
+    as many tokens out, greedy; the prompt's step first, then each decode."""
+    if record.status != "completed":
+        return []
+    return _generate(core, record.num_input_tokens, max(record.num_output_tokens, 1))
+
+
+def _generate(core, prompt_len: int, max_tokens: int) -> list[float]:
+    import random
+
+    from pdserve.perf.step_profile import timed_step
+    from pdserve.types import SamplingParams
+
+    rng = random.Random(prompt_len)
+    tokens = [rng.randrange(3, core.model_config.vocab_size) for _ in range(prompt_len)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    core.add_request(core.make_request(f"calibration-{time.monotonic_ns()}", tokens, params))
+    times = []
+    while core.scheduler.has_unfinished:
+        times += [t for _, t in timed_step(core)]
+    return times
 
 
 def step_factors(records, model: StepModel, cpu_per_token_s: float) -> dict[str, float]:

@@ -120,7 +120,7 @@ def run_scenarios(core: EngineCore, repeats: int, log=print) -> list[Sample]:
             sched.config, max_num_batched_tokens=budget, long_prefill_token_threshold=chunk
         )
         while sched.has_unfinished and (until is None or not until()):
-            samples.extend(_timed_step(core))
+            samples.extend(timed_step(core))
 
     run(256)  # warm-up: kernels built, caches touched (not kept)
     add(64, 4)
@@ -159,7 +159,8 @@ def run_scenarios(core: EngineCore, repeats: int, log=print) -> list[Sample]:
     return samples
 
 
-def _timed_step(core: EngineCore) -> list[Sample]:
+def timed_step(core: EngineCore) -> list[Sample]:
+    """One `core.step()`: its shape (from the scheduler's plan) and wall time; none if idle."""
     shapes: list[StepShape] = []
     schedule = core.scheduler.schedule
 

@@ -54,7 +54,8 @@ class ServingCosts:
     decode_step_factor: float = 1.0  # a served decode-only step / the step model's prediction
     prefill_step_factor: float = 1.0  # a served step with prompt tokens / the prediction
     # the served steps the factors come from, [q_lens, ctx_lens, seconds] each (CPU per token
-    # included), so that a refitted step model gets its own factors (`refit`)
+    # included), and where measured the same step's in-process seconds as a fourth value; a
+    # refitted step model gets its factors again from them (`refit`)
     calibration_steps: list = field(default_factory=list)
 
 
@@ -125,19 +126,21 @@ class Profile:
 def step_factors(steps: list, model: StepModel, cpu_per_token_s: float) -> dict[str, float]:
     """The served/in-process factors of `ServingCosts` from served steps of known shape
     ([q_lens, ctx_lens, seconds] each, `calibration_steps`): per kind of step, the median served
-    time less the CPU one token costs, over the median of the model's times for the same shapes.
-    A kind with no served step is left out (its factor stays 1.0)."""
+    time less the CPU one token costs, over the median in-process time of the same shapes. A
+    step's in-process time is its fourth value where it has one (the same request run in-process
+    seconds after it was served, so that both are taken in the machine's same state), else the
+    model's prediction. A kind with no served step is left out (its factor stays 1.0)."""
     served: dict[bool, list[float]] = {True: [], False: []}
-    predicted: dict[bool, list[float]] = {True: [], False: []}
-    for q_lens, ctx_lens, seconds in steps:
+    in_process: dict[bool, list[float]] = {True: [], False: []}
+    for q_lens, ctx_lens, seconds, *own in steps:
         shape = StepShape.of(q_lens, ctx_lens, 1)
         served[shape.is_decode].append(seconds)
-        predicted[shape.is_decode].append(model.predict(shape))
+        in_process[shape.is_decode].append(own[0] if own else model.predict(shape))
     factors = {}
     for name, decode in (("prefill_step_factor", False), ("decode_step_factor", True)):
         own = statistics.median(served[decode]) - cpu_per_token_s if served[decode] else 0.0
         if own > 0:
-            factors[name] = own / statistics.median(predicted[decode])
+            factors[name] = own / statistics.median(in_process[decode])
     return factors
 
 

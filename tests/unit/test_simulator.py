@@ -238,6 +238,33 @@ def test_step_factors_compare_served_requests_with_the_model():
     assert step_factors([], model, cpu) == {}  # nothing measured: the defaults stand
 
 
+def test_step_factors_take_the_in_process_time_of_the_same_step_where_measured():
+    from pdserve.bench.metrics import RequestRecord
+    from pdserve.perf.serving_costs import served_steps
+    from pdserve.planner.profile import step_factors
+
+    cpu, p = 0.001, 256
+    own = [0.2] + [0.01 + 0.0001 * k for k in range(20)]  # in-process: prompt, then decodes
+    times = [1.25 * own[0] + cpu]
+    for k in range(19):  # token k + 2 comes after the in-process run's decode k + 1
+        times.append(times[-1] + 1.1 * own[k + 1] + cpu)
+    record = RequestRecord(
+        index=0, input_len=p, output_len=20, prompt_len=p, t_scheduled=0.0, t_arrive=0.0,
+        t_first=times[0], token_times=times, t_end=times[-1], status=COMPLETED, prompt_tokens=p,
+        completion_tokens=20, server_timings={"ttft_ms": times[0] * 1e3},
+    )  # fmt: skip
+    steps = served_steps([record], [own])
+    assert steps[0] == [[p], [p], pytest.approx(times[0]), own[0]]
+    assert steps[1][:2] == [[1], [p + 2]] and steps[1][3] == own[1] and len(steps) == 20
+    wrong = SplitStepModel(decode=TWO, prefill=ONE)  # far off: it must not be what counts
+    factors = step_factors(steps, wrong, cpu)
+    assert factors["prefill_step_factor"] == pytest.approx(1.25, rel=1e-6)
+    assert factors["decode_step_factor"] == pytest.approx(1.1, rel=1e-3)
+    # without the in-process times, the model's predictions stand in for them
+    assert len(served_steps([record])[1]) == 3
+    assert step_factors(served_steps([record]), wrong, cpu) != factors
+
+
 def test_one_long_context_makes_every_decode_of_the_step_pay_for_its_length():
     padded = LinearStepModel(0.01, 0.0, 0.0, 0.0, 0.0, per_padded_kv_token=1e-5)
     uniform = StepShape.of([1] * 8, [64] * 8, 8)
