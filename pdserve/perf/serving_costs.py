@@ -149,12 +149,16 @@ def served_steps(records, in_process: list[list[float]] | None = None) -> list[l
 
 
 def _in_process_engine(args: EngineArgs, threads: int):
-    """An engine in this process on every allowed CPU, warmed up, with room for one request."""
+    """An engine in this process on every allowed CPU, warmed up, with room for one request;
+    no prefix cache, so that every prompt is computed whole, as the served ones were."""
     import dataclasses
 
     from pdserve.engine.core import EngineCore
 
-    core = EngineCore(dataclasses.replace(args, num_threads=threads, num_kv_blocks=256))
+    args = dataclasses.replace(
+        args, num_threads=threads, num_kv_blocks=256, enable_prefix_caching=False
+    )
+    core = EngineCore(args)
     _generate(core, INPUT_LEN, 4)
     return core
 
@@ -164,23 +168,25 @@ def _run_in_process(core, record) -> list[float]:
     as many tokens out, greedy; the prompt's step first, then each decode."""
     if record.status != "completed":
         return []
-    return _generate(core, record.num_input_tokens, max(record.num_output_tokens, 1))
+    steps = _generate(core, record.num_input_tokens, max(record.num_output_tokens, 1))
+    return [t for _, t in steps]
 
 
-def _generate(core, prompt_len: int, max_tokens: int) -> list[float]:
+def _generate(core, prompt_len: int, max_tokens: int) -> list:
+    """One request of `prompt_len` random tokens through `core`: each step's (shape, seconds)."""
     import random
 
     from pdserve.perf.step_profile import timed_step
     from pdserve.types import SamplingParams
 
-    rng = random.Random(prompt_len)
+    rng = random.Random()
     tokens = [rng.randrange(3, core.model_config.vocab_size) for _ in range(prompt_len)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     core.add_request(core.make_request(f"calibration-{time.monotonic_ns()}", tokens, params))
-    times = []
+    steps = []
     while core.scheduler.has_unfinished:
-        times += [t for _, t in timed_step(core)]
-    return times
+        steps += timed_step(core)
+    return steps
 
 
 def step_factors(records, model: StepModel, cpu_per_token_s: float) -> dict[str, float]:

@@ -51,8 +51,8 @@ class ServingCosts:
     frontend_cpu_per_token_s: float
     client_cpu_per_token_s: float
     frontend_latency_s: float
-    decode_step_factor: float = 1.0  # a served decode-only step / the step model's prediction
-    prefill_step_factor: float = 1.0  # a served step with prompt tokens / the prediction
+    decode_step_factor: float = 1.0  # a served decode-only step / the same step in-process
+    prefill_step_factor: float = 1.0  # a served step with prompt tokens / the same in-process
     # the served steps the factors come from, [q_lens, ctx_lens, seconds] each (CPU per token
     # included), and where measured the same step's in-process seconds as a fourth value; a
     # refitted step model gets its factors again from them (`refit`)
