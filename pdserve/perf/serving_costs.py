@@ -19,7 +19,10 @@ time for decodes) less the CPU per token, over the in-process time of the same s
 request served alone is run again in this process right after (the server idle), so that the
 two sides of the ratio are taken seconds apart. This machine's speed moves by a third from
 minute to minute, and the ratio against the profile's model, fitted minutes earlier, took that
-drift in with the serving overhead (x1.35 decode on one profile, x1.09 on another).
+drift in with the serving overhead (x1.35 decode on one profile, x1.09 on another). The requests
+served alone have prompts of 16 to 512 tokens, and the prompt step is fitted as a fixed cost
+plus a factor: a short prompt served pays some milliseconds of its own that a ratio taken on
+long prompts alone hid (`planner.profile.step_factors`).
 """
 
 from __future__ import annotations
@@ -42,7 +45,12 @@ from pdserve.planner.step_model import StepModel
 NUM_REQUESTS = 32
 CONCURRENCY = 6
 INPUT_LEN, OUTPUT_LEN = 256, 64
-NUM_SEQUENTIAL = 8  # requests sent one at a time, for the served/in-process step factors
+# requests sent one at a time, for the served/in-process step factors: prompts of several
+# lengths, so that a served prompt step's fixed cost and its factor can be told apart
+SEQUENTIAL_LENS = (16, 64, 256, 512) * 2
+# between the two sides of a pair: the threads of the engine that ran last spin for a while
+# after its step, on the same cores as the other's next step
+SETTLE_S = 0.5
 
 
 def measure_serving_costs(
@@ -65,14 +73,17 @@ def measure_serving_costs(
         "--dtype", str(args.dtype), "--log-level", "warning",
     ]  # fmt: skip
     workload = WorkloadConfig(
-        num_requests=NUM_REQUESTS + NUM_SEQUENTIAL,
+        num_requests=NUM_REQUESTS,
         input_len=INPUT_LEN,
         output_len=OUTPUT_LEN,
         seed=0,
     )
     tokenizer = HFPromptTokenizer(load_tokenizer(args.tokenizer or args.model))
     prompts = build_prompts(make_specs(workload), tokenizer)
-    prompts, alone = prompts[:NUM_REQUESTS], prompts[NUM_REQUESTS:]  # no prompt served twice
+    alone = []  # each its own seed: no prompt shares a prefix with another (the prefix cache)
+    for i, n in enumerate(SEQUENTIAL_LENS):
+        one = WorkloadConfig(num_requests=1, input_len=n, output_len=OUTPUT_LEN, seed=1 + i)
+        alone += build_prompts(make_specs(one), tokenizer, 1 + i)
     client = ClientConfig(base_url, args.model, "completions")
     log_path = Path(tempfile.mkdtemp(prefix="pdserve-profile-")) / "serve.log"
     # the client's heap frozen as `pdserve bench` freezes it: its CPU per token is that client's
@@ -83,7 +94,9 @@ def measure_serving_costs(
         # pairs lie seconds apart, where this machine's speed can move by a third in minutes
         sequential, in_process = [], []
         for prompt in alone:
+            time.sleep(SETTLE_S)
             sequential += asyncio.run(run_requests([prompt], client, 1))
+            time.sleep(SETTLE_S)
             in_process.append(_run_in_process(core, sequential[-1]))
         del core
         before = fetch_metrics(base_url)
@@ -120,8 +133,9 @@ def measure_serving_costs(
         f"serving on {len(cpus)} CPUs: frontend {costs.frontend_cpu_per_token_s * 1e3:.2f} ms and "
         f"client {costs.client_cpu_per_token_s * 1e3:.2f} ms of CPU per output token, "
         f"{costs.frontend_latency_s * 1e3:.1f} ms of TTFT outside the engine; a served step "
-        f"takes x{costs.decode_step_factor:.2f} (decode) and x{costs.prefill_step_factor:.2f} "
-        "(prompt) the in-process one"
+        f"takes x{costs.decode_step_factor:.2f} (decode) and "
+        f"{costs.prefill_step_overhead_s * 1e3:.1f} ms + x{costs.prefill_step_factor:.2f} (prompt) "
+        "the in-process one"
     )
     return costs
 

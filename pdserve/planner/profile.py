@@ -57,6 +57,9 @@ class ServingCosts:
     # included), and where measured the same step's in-process seconds as a fourth value; a
     # refitted step model gets its factors again from them (`refit`)
     calibration_steps: list = field(default_factory=list)
+    # a fixed cost on each served step with prompt tokens, where the calibration's prompts
+    # of several lengths separate one from the other (served = overhead + factor x in-process)
+    prefill_step_overhead_s: float = 0.0
 
 
 @dataclass
@@ -129,19 +132,42 @@ def step_factors(steps: list, model: StepModel, cpu_per_token_s: float) -> dict[
     time less the CPU one token costs, over the median in-process time of the same shapes. A
     step's in-process time is its fourth value where it has one (the same request run in-process
     seconds after it was served, so that both are taken in the machine's same state), else the
-    model's prediction. A kind with no served step is left out (its factor stays 1.0)."""
+    model's prediction. A kind with no served step is left out (its factor stays 1.0).
+
+    Where the prompt steps span lengths (the longest in-process step at least
+    `PROMPT_SPAN` times the shortest), the prompt's served time is fitted as a line instead,
+    `overhead + factor x in-process` by least squares (overhead >= 0): a short prompt served
+    pays a cost of its own that a ratio taken on long prompts hides."""
     served: dict[bool, list[float]] = {True: [], False: []}
     in_process: dict[bool, list[float]] = {True: [], False: []}
     for q_lens, ctx_lens, seconds, *own in steps:
         shape = StepShape.of(q_lens, ctx_lens, 1)
-        served[shape.is_decode].append(seconds)
+        served[shape.is_decode].append(seconds - cpu_per_token_s)
         in_process[shape.is_decode].append(own[0] if own else model.predict(shape))
     factors = {}
     for name, decode in (("prefill_step_factor", False), ("decode_step_factor", True)):
-        own = statistics.median(served[decode]) - cpu_per_token_s if served[decode] else 0.0
+        own = statistics.median(served[decode]) if served[decode] else 0.0
         if own > 0:
             factors[name] = own / statistics.median(in_process[decode])
+    x, y = in_process[False], served[False]
+    if len(x) >= 3 and min(x) > 0 and max(x) >= PROMPT_SPAN * min(x):
+        line = _line(x, y)
+        if line is not None:
+            factors["prefill_step_overhead_s"], factors["prefill_step_factor"] = line
     return factors
+
+
+PROMPT_SPAN = 3.0  # `step_factors`: prompt steps this far apart fit a fixed cost and a factor
+
+
+def _line(x: list[float], y: list[float]) -> tuple[float, float] | None:
+    """Least-squares `y = a + b x` with `a >= 0` (else the line through the origin); None if
+    the slope comes out <= 0."""
+    b, a = statistics.linear_regression(x, y)
+    if a < 0:
+        b, a = statistics.linear_regression(x, y, proportional=True)
+        a = 0.0
+    return (a, b) if b > 0 else None
 
 
 def refit(profile: Profile, *, split_decode: bool = True) -> Profile:
@@ -165,7 +191,7 @@ def refit(profile: Profile, *, split_decode: bool = True) -> Profile:
     if served is not None and served.calibration_steps:
         cpu = served.frontend_cpu_per_token_s + served.client_cpu_per_token_s
         factors = step_factors(served.calibration_steps, out.step_model(served.cpus), cpu)
-        out.serving = dataclasses.replace(served, **factors)
+        out.serving = dataclasses.replace(served, **{"prefill_step_overhead_s": 0.0, **factors})
     return out
 
 

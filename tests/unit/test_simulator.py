@@ -378,3 +378,40 @@ def test_simulated_records_summarize_like_measured_ones():
     _, res = simulate(threads=2, max_num_batched_tokens=256)
     s = summarize(res.records, Slo.parse("ttft_ms=2000,tpot_ms=150"))
     assert s["completed"] == 40 and s["ttft_ms"]["p50"] > 0 and s["goodput"] > 0
+
+
+def test_prompt_steps_of_several_lengths_fit_a_fixed_cost_and_a_factor():
+    from pdserve.planner.profile import step_factors
+
+    cpu, model = 0.001, SplitStepModel(decode=TWO, prefill=ONE)
+    own = {16: 0.03, 64: 0.09, 256: 0.3, 512: 0.62}  # in-process prompt steps
+    steps = [[[p], [p], 0.012 + 0.95 * t + cpu, t] for p, t in own.items()]
+    steps += [[[1], [p + 2], 1.1 * 0.015 + cpu, 0.015] for p in own]
+    factors = step_factors(steps, model, cpu)
+    assert factors["prefill_step_overhead_s"] == pytest.approx(0.012, rel=1e-6)
+    assert factors["prefill_step_factor"] == pytest.approx(0.95, rel=1e-6)
+    assert factors["decode_step_factor"] == pytest.approx(1.1, rel=1e-6)
+    # prompts of one length cannot tell the two apart: a ratio, as before
+    one = step_factors([s for s in steps if s[0] in ([256], [1])], model, cpu)
+    assert "prefill_step_overhead_s" not in one
+    assert one["prefill_step_factor"] == pytest.approx((0.012 + 0.95 * 0.3) / 0.3, rel=1e-6)
+    # a served prompt faster than in-process by a fixed amount: no negative cost, a ratio line
+    faster = [[[p], [p], 0.9 * t - 0.005 + cpu, t] for p, t in own.items()]
+    fit = step_factors(faster, model, cpu)
+    assert fit["prefill_step_overhead_s"] == 0.0 and 0.8 < fit["prefill_step_factor"] < 0.9
+
+
+def test_the_simulator_adds_the_fixed_cost_to_prompt_steps_only():
+    costs = ServingCosts(2, 0.0, 0.0, 0.0, 1.0, 1.0)
+
+    def one_request(overhead: float):
+        served = dataclasses.replace(costs, prefill_step_overhead_s=overhead)
+        sim = Simulation(dataclasses.replace(PROFILE, serving=served), EngineArgs(model="m"),
+                         max_model_len=2048, threads_per_worker=2)  # fmt: skip
+        return sim.run([RequestSpec(0, 0.0, 300, 20)]).records[0]
+
+    with_cost, plain = one_request(0.25), one_request(0.0)
+    assert with_cost.ttft == pytest.approx(plain.ttft + 0.25, abs=1e-9)  # the one prompt step
+    gaps = [b - a for a, b in zip(with_cost.token_times, with_cost.token_times[1:])]
+    plain_gaps = [b - a for a, b in zip(plain.token_times, plain.token_times[1:])]
+    assert gaps == pytest.approx(plain_gaps, abs=1e-9)  # decode steps unchanged
