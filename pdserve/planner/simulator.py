@@ -151,10 +151,10 @@ class Simulation:
         # a served step's own slowdown (its worker's loop, the other processes on its cores);
         # a replayed step log (`step_time`) is already served time
         self.step_factors = (1.0, 1.0)
-        self.prompt_step_overhead_s = 0.0
+        self.prefill_step_overhead_s = 0.0
         if served is not None and step_time is None:
             self.step_factors = (served.decode_step_factor, served.prefill_step_factor)
-            self.prompt_step_overhead_s = served.prefill_step_overhead_s
+            self.prefill_step_overhead_s = served.prefill_step_overhead_s
         self.block_size = engine.block_size
         self.max_model_len = max_model_len
         self.router = Router(engine.block_size, disagg.min_prompt_tokens)
@@ -254,7 +254,7 @@ class Simulation:
         shape = StepShape.of(q_lens, ctx_lens, num_sampled)
         duration = worker.predict(shape) * self.step_factors[0 if shape.is_decode else 1]
         if not shape.is_decode:
-            duration += self.prompt_step_overhead_s
+            duration += self.prefill_step_overhead_s
         # the frontend's work on this step's tokens takes CPU from the worker's cores
         duration += self.host_cpu_per_token_s * num_sampled * worker.size / self.num_cpus
         worker.plan, worker.step_start = plan, self.now
