@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if args.serving_costs:
         from pdserve.perf.serving_costs import measure_serving_costs
 
-        profile.serving = measure_serving_costs(engine, step_model=profile.step_model(allowed))
+        profile.serving = measure_serving_costs(engine, step_models=profile.step_model)
     profile.save(args.output)
     print(f"wrote {args.output}")
     return 0
@@ -113,8 +113,10 @@ def _refit(args: argparse.Namespace) -> int:
         print(f"{size} thread(s): {len(profile.samples[size])} steps refitted ({split})")
     if profile.serving is not None:
         s = profile.serving
+        part = s.part_decode_step_factor
         print(f"served-step factors x{s.decode_step_factor:.2f} (decode), "
-              f"x{s.prefill_step_factor:.2f} (prompt)")  # fmt: skip
+              f"{s.prefill_step_overhead_s * 1e3:.1f} ms + x{s.prefill_step_factor:.2f} (prompt)"
+              + (f", x{part:.2f} (decode on {s.part_cpus} CPU(s))" if part else ""))  # fmt: skip
     profile.save(args.output)
     print(f"wrote {args.output}")
     return 0

@@ -28,17 +28,19 @@ long prompts alone hid (`planner.profile.step_factors`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pdserve.config import EngineArgs
 from pdserve.heap import frozen_heap
-from pdserve.planner.profile import ServingCosts
+from pdserve.planner.profile import ServingCosts, part_cpu_per_token
 from pdserve.planner.profile import step_factors as profile_step_factors
 from pdserve.planner.step_model import StepModel
 
@@ -48,16 +50,22 @@ INPUT_LEN, OUTPUT_LEN = 256, 64
 # requests sent one at a time, for the served/in-process step factors: prompts of several
 # lengths, so that a served prompt step's fixed cost and its factor can be told apart
 SEQUENTIAL_LENS = (16, 64, 256, 512) * 2
+# ... and as many again for their prompt step alone (one token out), a few seconds more for a
+# line that one slow step moves less
+PROMPT_ONLY_LENS = (16, 64, 256, 512) * 2
 # between the two sides of a pair: the threads of the engine that ran last spin for a while
 # after its step, on the same cores as the other's next step
 SETTLE_S = 0.5
+# requests sent one at a time through a server split in two (a prefill and a decode worker, each
+# on half the CPUs), for the decode factor of a worker on part of the CPUs
+PART_LENS = (256,) * 4
 
 
 def measure_serving_costs(
-    args: EngineArgs, log=print, step_model: StepModel | None = None
+    args: EngineArgs, log=print, step_models: Callable[[int], StepModel] | None = None
 ) -> ServingCosts:
-    """`step_model`: the profile's model of a worker on every allowed CPU, for the step factors
-    (without it they stay 1.0)."""
+    """`step_models(n)`: the profile's model of a worker on n CPUs (`Profile.step_model`), for
+    the step factors (without it they stay 1.0)."""
     from pdserve.bench.client import ClientConfig, fetch_metrics, run_requests
     from pdserve.bench.compare import Deployment, ServerProcess
     from pdserve.bench.tokenizer import HFPromptTokenizer, load_tokenizer
@@ -81,8 +89,9 @@ def measure_serving_costs(
     tokenizer = HFPromptTokenizer(load_tokenizer(args.tokenizer or args.model))
     prompts = build_prompts(make_specs(workload), tokenizer)
     alone = []  # each its own seed: no prompt shares a prefix with another (the prefix cache)
-    for i, n in enumerate(SEQUENTIAL_LENS):
-        one = WorkloadConfig(num_requests=1, input_len=n, output_len=OUTPUT_LEN, seed=1 + i)
+    lengths = [(n, OUTPUT_LEN) for n in SEQUENTIAL_LENS] + [(n, 1) for n in PROMPT_ONLY_LENS]
+    for i, (n, out) in enumerate(lengths):
+        one = WorkloadConfig(num_requests=1, input_len=n, output_len=out, seed=1 + i)
         alone += build_prompts(make_specs(one), tokenizer, 1 + i)
     client = ClientConfig(base_url, args.model, "completions")
     log_path = Path(tempfile.mkdtemp(prefix="pdserve-profile-")) / "serve.log"
@@ -119,8 +128,9 @@ def measure_serving_costs(
     client_cpu = client_cpu / tokens
     calibration = served_steps(sequential, in_process)
     factors = {}
-    if step_model is not None:
-        factors = profile_step_factors(calibration, step_model, frontend_cpu + client_cpu)
+    if step_models is not None:
+        model = step_models(len(cpus))
+        factors = profile_step_factors(calibration, model, frontend_cpu + client_cpu)
     costs = ServingCosts(
         cpus=len(cpus),
         frontend_cpu_per_token_s=frontend_cpu,
@@ -129,6 +139,8 @@ def measure_serving_costs(
         **factors,
         calibration_steps=calibration,
     )
+    if len(cpus) >= 2:
+        costs = _measure_part(args, costs, alone, step_models, log_path.parent)
     log(
         f"serving on {len(cpus)} CPUs: frontend {costs.frontend_cpu_per_token_s * 1e3:.2f} ms and "
         f"client {costs.client_cpu_per_token_s * 1e3:.2f} ms of CPU per output token, "
@@ -136,8 +148,77 @@ def measure_serving_costs(
         f"takes x{costs.decode_step_factor:.2f} (decode) and "
         f"{costs.prefill_step_overhead_s * 1e3:.1f} ms + x{costs.prefill_step_factor:.2f} (prompt) "
         "the in-process one"
+        + (
+            f"; a decode worker on {costs.part_cpus} of them x{costs.part_decode_step_factor:.2f}"
+            if costs.part_decode_step_factor is not None
+            else ""
+        )
     )
     return costs
+
+
+def _measure_part(
+    args: EngineArgs,
+    costs: ServingCosts,
+    alone: list,
+    step_models: Callable[[int], StepModel] | None,
+    log_dir: Path,
+) -> ServingCosts:
+    """`costs` with the decode factor of a worker on part of the CPUs: a server split into a
+    prefill worker and a decode worker on half the CPUs each serves requests with prompts of
+    `PART_LENS` tokens (from `alone`, the calibration's requests) one at a time, and each is run
+    again in this process on the decode worker's CPUs, seconds later."""
+    prompts = [p for p in alone if p.output_len == OUTPUT_LEN and p.input_len in PART_LENS]
+    prompts = (prompts * len(PART_LENS))[: len(PART_LENS)]
+    import dataclasses
+
+    from pdserve.bench.client import ClientConfig, run_requests
+    from pdserve.bench.compare import Deployment, ServerProcess
+
+    cpus = sorted(os.sched_getaffinity(0))
+    prefill, decode = cpus[: len(cpus) // 2], cpus[len(cpus) // 2 :]
+    port = _free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    serve = [
+        sys.executable, "-m", "pdserve.cli", "serve", "--model", args.model, "--port", str(port),
+        "--prefill-workers", "1", "--decode-workers", "1",
+        "--prefill-cpus", ",".join(map(str, prefill)), "--decode-cpus", ",".join(map(str, decode)),
+        "--linear-backend", str(args.linear_backend), "--dtype", str(args.dtype),
+        "--log-level", "warning",
+    ]  # fmt: skip
+    client = ClientConfig(base_url, args.model, "completions")
+    with _pinned(decode):  # the engine's threads are made here, on the decode worker's CPUs
+        core = _in_process_engine(args, len(decode))
+    served, in_process = [], []
+    with ServerProcess(
+        Deployment("calibration-split", base_url, tuple(serve)), log_dir / "split.log"
+    ):
+        asyncio.run(run_requests(prompts[:1], client, 1))  # warm up
+        for prompt in prompts:
+            time.sleep(SETTLE_S)
+            served += asyncio.run(run_requests([prompt], client, 1))
+            time.sleep(SETTLE_S)
+            with _pinned(decode):
+                in_process.append(_run_in_process(core, served[-1]))
+    del core
+    steps = served_steps(served, in_process)
+    out = dataclasses.replace(costs, part_cpus=len(decode), part_calibration_steps=steps)
+    if step_models is not None:
+        cpu = part_cpu_per_token(out, costs.frontend_cpu_per_token_s + costs.client_cpu_per_token_s)
+        factors = profile_step_factors(steps, step_models(len(decode)), cpu)
+        out = dataclasses.replace(out, part_decode_step_factor=factors.get("decode_step_factor"))
+    return out
+
+
+@contextlib.contextmanager
+def _pinned(cpus: list[int]):
+    """This thread on `cpus` for the block (the client's runs between are not)."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def served_steps(records, in_process: list[list[float]] | None = None) -> list[list]:

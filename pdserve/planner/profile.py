@@ -60,6 +60,20 @@ class ServingCosts:
     # a fixed cost on each served step with prompt tokens, where the calibration's prompts
     # of several lengths separate one from the other (served = overhead + factor x in-process)
     prefill_step_overhead_s: float = 0.0
+    # a decode worker on part of the CPUs (`part_cpus` of them, as the decode worker of a 1P+1D
+    # split), where the frontend runs beside the worker instead of taking one of its cores: its
+    # served decode step over the in-process step at its size, from a second calibration server
+    # split in two, and the steps it comes from; None where not measured (then
+    # `decode_step_factor` stands for every worker)
+    part_decode_step_factor: float | None = None
+    part_cpus: int = 0
+    part_calibration_steps: list = field(default_factory=list)
+
+    def decode_factor(self, worker_cpus: int) -> float:
+        """The served-step factor of a decode step on a worker of `worker_cpus` CPUs."""
+        if worker_cpus < self.cpus and self.part_decode_step_factor is not None:
+            return self.part_decode_step_factor
+        return self.decode_step_factor
 
 
 @dataclass
@@ -136,8 +150,8 @@ def step_factors(steps: list, model: StepModel, cpu_per_token_s: float) -> dict[
 
     Where the prompt steps span lengths (the longest in-process step at least
     `PROMPT_SPAN` times the shortest), the prompt's served time is fitted as a line instead,
-    `overhead + factor x in-process` by least squares (overhead >= 0): a short prompt served
-    pays a cost of its own that a ratio taken on long prompts hides."""
+    `overhead + factor x in-process` (overhead >= 0; a line that outliers move little, `_line`):
+    a short prompt served pays a cost of its own that a ratio taken on long prompts hides."""
     served: dict[bool, list[float]] = {True: [], False: []}
     in_process: dict[bool, list[float]] = {True: [], False: []}
     for q_lens, ctx_lens, seconds, *own in steps:
@@ -157,16 +171,27 @@ def step_factors(steps: list, model: StepModel, cpu_per_token_s: float) -> dict[
     return factors
 
 
+def part_cpu_per_token(costs: ServingCosts, cpu_per_token_s: float) -> float:
+    """The share of the host's CPU per token that the simulator puts on a worker of
+    `costs.part_cpus` CPUs (as much as it adds back to that worker's steps)."""
+    return cpu_per_token_s * costs.part_cpus / costs.cpus
+
+
 PROMPT_SPAN = 3.0  # `step_factors`: prompt steps this far apart fit a fixed cost and a factor
 
 
 def _line(x: list[float], y: list[float]) -> tuple[float, float] | None:
-    """Least-squares `y = a + b x` with `a >= 0` (else the line through the origin); None if
-    the slope comes out <= 0."""
-    b, a = statistics.linear_regression(x, y)
+    """`y = a + b x` by Theil and Sen's estimator (the median of the slopes between every two
+    points, then the median intercept), which a few outliers move little, with `a >= 0` (else
+    the median ratio `y / x` through the origin); None if the slope comes out <= 0."""
+    pairs = [(x[j], y[j], x[i], y[i]) for i in range(len(x)) for j in range(i)]
+    slopes = [(y1 - y0) / (x1 - x0) for x0, y0, x1, y1 in pairs if x1 != x0]
+    if not slopes:
+        return None
+    b = statistics.median(slopes)
+    a = statistics.median(yi - b * xi for xi, yi in zip(x, y))
     if a < 0:
-        b, a = statistics.linear_regression(x, y, proportional=True)
-        a = 0.0
+        a, b = 0.0, statistics.median(yi / xi for xi, yi in zip(x, y))
     return (a, b) if b > 0 else None
 
 
@@ -191,7 +216,18 @@ def refit(profile: Profile, *, split_decode: bool = True) -> Profile:
     if served is not None and served.calibration_steps:
         cpu = served.frontend_cpu_per_token_s + served.client_cpu_per_token_s
         factors = step_factors(served.calibration_steps, out.step_model(served.cpus), cpu)
-        out.serving = dataclasses.replace(served, **{"prefill_step_overhead_s": 0.0, **factors})
+        out.serving = served = dataclasses.replace(
+            served, **{"prefill_step_overhead_s": 0.0, **factors}
+        )
+        if served.part_calibration_steps:
+            part = step_factors(
+                served.part_calibration_steps,
+                out.step_model(served.part_cpus),
+                part_cpu_per_token(served, cpu),
+            )
+            out.serving = dataclasses.replace(
+                served, part_decode_step_factor=part.get("decode_step_factor")
+            )
     return out
 
 

@@ -72,6 +72,7 @@ class SimWorker:
     scheduler: Scheduler
     size: int  # threads or devices
     predict: Callable[[StepShape], float]
+    step_factors: tuple[float, float] = (1.0, 1.0)  # served / in-process: decode, prompt steps
     plan: SchedulerOutput | None = None
     step_start: float = 0.0
     wake_pending: bool = False
@@ -148,13 +149,14 @@ class Simulation:
             profile, self.num_cpus, local_client
         )
         served = profile.serving
-        # a served step's own slowdown (its worker's loop, the other processes on its cores);
-        # a replayed step log (`step_time`) is already served time
-        self.step_factors = (1.0, 1.0)
+        # a served step's own slowdown (its worker's loop, the other processes on its cores),
+        # per worker: one on part of the CPUs leaves the frontend room beside it; a replayed
+        # step log (`step_time`) is already served time
         self.prefill_step_overhead_s = 0.0
         if served is not None and step_time is None:
-            self.step_factors = (served.decode_step_factor, served.prefill_step_factor)
             self.prefill_step_overhead_s = served.prefill_step_overhead_s
+        for w in self.workers:
+            self._set_factors(w)
         self.block_size = engine.block_size
         self.max_model_len = max_model_len
         self.router = Router(engine.block_size, disagg.min_prompt_tokens)
@@ -252,7 +254,7 @@ class Simulation:
             ctx_lens.append(item.request.num_computed_tokens + item.num_new_tokens)
         num_sampled = sum(item.sample for item in plan.scheduled)
         shape = StepShape.of(q_lens, ctx_lens, num_sampled)
-        duration = worker.predict(shape) * self.step_factors[0 if shape.is_decode else 1]
+        duration = worker.predict(shape) * worker.step_factors[0 if shape.is_decode else 1]
         if not shape.is_decode:
             duration += self.prefill_step_overhead_s
         # the frontend's work on this step's tokens takes CPU from the worker's cores
@@ -389,6 +391,12 @@ class Simulation:
                 w.size = len(cpus)
                 if self._step_time is None:
                     w.predict = self.profile.step_model(w.size).predict
+                    self._set_factors(w)
+
+    def _set_factors(self, w: SimWorker) -> None:
+        served = self.profile.serving
+        if served is not None and self._step_time is None:
+            w.step_factors = (served.decode_factor(w.size), served.prefill_step_factor)
 
 
 def _serving_costs(profile: Profile, num_cpus: int, local_client: bool) -> tuple[float, float]:

@@ -415,3 +415,67 @@ def test_the_simulator_adds_the_fixed_cost_to_prompt_steps_only():
     gaps = [b - a for a, b in zip(with_cost.token_times, with_cost.token_times[1:])]
     plain_gaps = [b - a for a, b in zip(plain.token_times, plain.token_times[1:])]
     assert gaps == pytest.approx(plain_gaps, abs=1e-9)  # decode steps unchanged
+
+
+def test_a_decode_worker_on_part_of_the_cpus_takes_its_own_factor():
+    costs = ServingCosts(2, 0.0, 0.0, 0.0, decode_step_factor=1.2, prefill_step_factor=1.0,
+                         part_decode_step_factor=0.95, part_cpus=1)  # fmt: skip
+    served = dataclasses.replace(PROFILE, serving=costs)
+    plain = dataclasses.replace(PROFILE, serving=ServingCosts(2, 0.0, 0.0, 0.0))
+    split = DisaggConfig(num_prefill_workers=1, num_decode_workers=1)
+
+    def decode_steps(profile, disagg, threads):
+        sim = Simulation(profile, EngineArgs(model="m"), disagg, max_model_len=2048,
+                         threads_per_worker=threads)  # fmt: skip
+        result = sim.run([RequestSpec(0, 0.0, 64, 20)])
+        return [s.duration_s for s in result.steps if len(s.scheduled) == 1
+                and s.scheduled[0][1] == 1]  # fmt: skip
+
+    # 1P+1D, one CPU each: the decode worker's steps take the part factor
+    part, base = decode_steps(served, split, 1), decode_steps(plain, split, 1)
+    assert len(part) == len(base) >= 18
+    assert part == pytest.approx([0.95 * t for t in base])
+    # one worker on both CPUs: the factor of the calibration that served on both
+    whole, base = decode_steps(served, None, 2), decode_steps(plain, None, 2)
+    assert whole == pytest.approx([1.2 * t for t in base])
+    # a profile measured before the part factor: the one factor stands for every worker
+    old = served.to_dict()
+    for key in ("part_decode_step_factor", "part_cpus", "part_calibration_steps"):
+        del old["serving"][key]
+    assert Profile.from_dict(old).serving.decode_factor(1) == 1.2
+    assert Profile.from_dict(served.to_dict()) == served
+
+
+def test_refit_recomputes_the_part_factor_from_its_own_steps():
+    from pdserve.planner.profile import refit
+
+    shapes = [StepShape.of([1] * b, [c] * b, b) for b in (1, 2, 4, 8) for c in (64, 512)]
+    shapes += [StepShape.of([q], [q], 1) for q in (16, 128, 512, 1024)]
+    samples = {n: [[list(s.q_lens), list(s.ctx_lens), s.num_sampled, m.predict(s)] for s in shapes]
+               for n, m in ((1, ONE), (2, TWO))}  # fmt: skip
+    cpu = 0.002  # per token; a worker on one CPU of two carries half of it
+
+    def decode(model, factor, share):
+        return [[[1], [300 + k], factor * model.predict(StepShape.of([1], [300 + k], 1)) + share]
+                for k in range(30)]  # fmt: skip
+
+    costs = ServingCosts(2, 0.0015, 0.0005, 0.0, calibration_steps=decode(TWO, 1.1, cpu),
+                         part_cpus=1, part_calibration_steps=decode(ONE, 0.9, cpu / 2))  # fmt: skip
+    old = Profile("measured", "synthetic", 36864, 12, {1: ONE, 2: TWO}, serving=costs,
+                  samples=samples)  # fmt: skip
+    new = refit(Profile.from_dict(old.to_dict()))
+    assert new.serving.decode_step_factor == pytest.approx(1.1, rel=1e-3)
+    assert new.serving.part_decode_step_factor == pytest.approx(0.9, rel=1e-3)
+    assert new.serving.decode_factor(1) == new.serving.part_decode_step_factor
+
+
+def test_the_prompt_line_is_not_pulled_by_one_outlier():
+    from pdserve.planner.profile import step_factors
+
+    cpu, model = 0.0, SplitStepModel(decode=TWO, prefill=ONE)
+    own = {16: 0.03, 64: 0.09, 256: 0.3, 512: 0.62}
+    steps = [[[p], [p], 0.01 + 0.95 * t, t] for p, t in own.items() for _ in range(2)]
+    steps[0][2] = 3 * steps[0][2]  # one short prompt served three times slower than its twin
+    factors = step_factors(steps, model, cpu)
+    assert factors["prefill_step_overhead_s"] == pytest.approx(0.01, rel=1e-6)
+    assert factors["prefill_step_factor"] == pytest.approx(0.95, rel=1e-6)
