@@ -37,7 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         dest="serving_costs",
         action="store_false",
         help="skip measuring what serving adds (a pdserve serve of the model on every allowed "
-        "CPU, about a minute: the frontend's CPU per output token and its latency)",
+        "CPU and one split into a prefill and a decode worker, about two minutes: the "
+        "frontend's CPU per output token, its latency, and how much longer a served step takes "
+        "than the same step in-process)",
     )
     g.add_argument(
         "--no-decode-split",

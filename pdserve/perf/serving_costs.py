@@ -23,6 +23,13 @@ drift in with the serving overhead (x1.35 decode on one profile, x1.09 on anothe
 served alone have prompts of 16 to 512 tokens, and the prompt step is fitted as a fixed cost
 plus a factor: a short prompt served pays some milliseconds of its own that a ratio taken on
 long prompts alone hid (`planner.profile.step_factors`).
+
+A worker on part of the CPUs (the decode worker of a 1P+1D split) leaves the frontend room to
+run beside it instead of on its cores: with more than one CPU, a second server split into a
+prefill worker and a decode worker on half the CPUs each serves a few requests one at a time,
+each run again in-process on the decode worker's CPUs, and that decode factor is kept apart
+(`ServingCosts.part_decode_step_factor`; x1.00 on a 2-core Zen 4 where the worker on both CPUs
+took x1.11).
 """
 
 from __future__ import annotations
