@@ -40,10 +40,7 @@ int pd_rope(float *x, int64_t m, int64_t stride, int64_t heads, int64_t d, const
             const float *sin);
 int pd_silu_mul(const float *gu, int64_t m, int64_t n, float *out);
 
-/* cpu_memory.c: the sum of x[0 .. n), read at the speed the memory system allows; a read of
- * `count` buffers into the caches on a thread of its own (returns at once; one at a time). */
+/* cpu_memory.c: the sum of x[0 .. n), read at the speed the memory system allows. */
 float pd_read_sum(const float *x, int64_t n);
-int pd_warm_start(const void *const *ptrs, const int64_t *bytes, int64_t count);
-void pd_warm_join(void);
 
 #endif

@@ -15,13 +15,10 @@ forward hooks on its layers (they need the layer-by-layer path); `--enforce-eage
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from pdserve.kernels import decode as native
-from pdserve.kernels.memory import ReadAhead
 from pdserve.models.attention import AttentionMetadata, NativeBackend
 from pdserve.models.packed_linear import NativeLinear
 from pdserve.models.quant_linear import Int4Linear, Int8Linear
@@ -43,14 +40,9 @@ def _linear(module: nn.Module) -> native.LinearDesc | None:
 class FusedDecode:
     """Decode-only steps of one model through the fused native layers. Build with `build`."""
 
-    def __init__(
-        self, model: nn.Module, layers: list[native.LayerDesc], weights: list[torch.Tensor] = ()
-    ) -> None:
+    def __init__(self, model: nn.Module, layers: list[native.LayerDesc]) -> None:
         self.model = model  # keeps every tensor the descriptors point at alive
         self.layers = (native.LayerDesc * len(layers))(*layers)
-        budget = int(float(os.environ.get("PDSERVE_READ_AHEAD_MB", "0")) * (1 << 20))
-        buffers = [(w.data_ptr(), w.numel() * w.element_size()) for w in weights]
-        self.read_ahead = ReadAhead(buffers, budget) if budget > 0 else None
         self._scratch: torch.Tensor | None = None
         self._cache_key: tuple[int, ...] = ()  # where the caches the descriptors point at lie
 
@@ -66,7 +58,7 @@ class FusedDecode:
         norm = model.norm.weight
         if norm.dtype != torch.float32 or norm.device.type != "cpu" or not norm.is_contiguous():
             return None, "the model is not float32 on the CPU"
-        layers, weights = [], []
+        layers = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
@@ -85,9 +77,7 @@ class FusedDecode:
                 qkv=linears[0], o=linears[1], gate_up=linears[2], down=linears[3],
             )  # fmt: skip
             layers.append(desc)
-            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                weights += [m.w] if isinstance(m, NativeLinear) else [m.q, m.scale]
-        return cls(model, layers, weights), ""
+        return cls(model, layers), ""
 
     def __call__(
         self,

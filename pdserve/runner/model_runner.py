@@ -432,9 +432,6 @@ class ModelRunner:
         if inputs.logits_indices is not None:
             hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(hidden)
-        fused = getattr(self.model, "fused_decode", None)
-        if fused is not None and fused.read_ahead is not None and not inputs.meta.prefills:
-            fused.read_ahead.start()  # the next step's first weights, while the host works
         out = self.sampler(logits, inputs.rows, self._grammar_masks(plan))
         return StepResult(out.token_ids, out.logprobs, prompt_logprobs, speculated)
 

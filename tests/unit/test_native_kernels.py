@@ -327,23 +327,3 @@ def test_narrower_vectors_compute_the_same(narrower_vectors):
     torch.testing.assert_close(torch.tensor(read_sum(x)), x.sum(), rtol=1e-4, atol=1e-4)
     for name, got, ref in layer_ops_cases():
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6, msg=name)
-
-
-@needs_linear
-def test_the_read_ahead_reads_within_its_budget_and_leaves_the_buffers_as_they_were():
-    from pdserve.kernels.memory import ReadAhead
-
-    a, b, c = randn(1000), randn(3000), randn(500)
-    sizes = [t.numel() * 4 for t in (a, b, c)]
-    buffers = [(t.data_ptr(), n) for t, n in zip((a, b, c), sizes)]
-    before = [t.clone() for t in (a, b, c)]
-    assert ReadAhead(buffers, 1 << 30).num_bytes == sum(sizes)
-    part = ReadAhead(buffers, sizes[0] + 100)  # all of the first, 100 bytes of the second
-    assert part.num_bytes == sizes[0] + 100
-    assert ReadAhead(buffers, 0).num_bytes == 0
-    for _ in range(3):  # each start waits for the read before it
-        part.start()
-    ReadAhead.join()
-    ReadAhead.join()  # nothing running: returns
-    for t, ref in zip((a, b, c), before):
-        assert torch.equal(t, ref)
