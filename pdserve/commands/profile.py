@@ -80,8 +80,18 @@ def run(args: argparse.Namespace) -> int:
     profile = measure_profile(engine, threads, repeats=args.repeats, split_decode=args.split_decode)
     if args.serving_costs:
         from pdserve.perf.serving_costs import measure_serving_costs
+        from pdserve.planner.profile import calibration_drift
 
         profile.serving = measure_serving_costs(engine, step_models=profile.step_model)
+        drift = calibration_drift(profile)
+        if drift is not None:
+            note = (
+                f"the calibration's in-process decode steps took x{drift:.2f} the step model's "
+                "time, minutes after the steps were measured: this machine's speed moved by "
+                "that much, and simulated figures with it"
+            )
+            profile.notes.append(note)
+            print(note)
     profile.save(args.output)
     print(f"wrote {args.output}")
     return 0

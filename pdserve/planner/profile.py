@@ -171,6 +171,26 @@ def step_factors(steps: list, model: StepModel, cpu_per_token_s: float) -> dict[
     return factors
 
 
+def calibration_drift(profile: Profile) -> float | None:
+    """How this machine's speed moved between measuring the profile's steps and its serving
+    costs, minutes later: the median ratio of the calibration's in-process decode steps to the
+    step model's time for them (above 1: slower then). None without paired calibration steps.
+    The served-step factors cancel such drift (both sides of a pair are taken seconds apart),
+    the step models do not: a simulated figure moves with it."""
+    served = profile.serving
+    if served is None:
+        return None
+    ratios = []
+    for steps, size in ((served.calibration_steps, served.cpus),
+                        (served.part_calibration_steps, served.part_cpus)):  # fmt: skip
+        model = profile.step_model(size) if steps else None
+        for q_lens, ctx_lens, _, *own in steps:
+            shape = StepShape.of(q_lens, ctx_lens, 1)
+            if own and shape.is_decode and (predicted := model.predict(shape)) > 0:
+                ratios.append(own[0] / predicted)
+    return statistics.median(ratios) if ratios else None
+
+
 def part_cpu_per_token(costs: ServingCosts, cpu_per_token_s: float) -> float:
     """The share of the host's CPU per token that the simulator puts on a worker of
     `costs.part_cpus` CPUs (as much as it adds back to that worker's steps)."""

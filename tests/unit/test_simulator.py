@@ -479,3 +479,20 @@ def test_the_prompt_line_is_not_pulled_by_one_outlier():
     factors = step_factors(steps, model, cpu)
     assert factors["prefill_step_overhead_s"] == pytest.approx(0.01, rel=1e-6)
     assert factors["prefill_step_factor"] == pytest.approx(0.95, rel=1e-6)
+
+
+def test_calibration_drift_is_the_in_process_decode_over_the_model():
+    from pdserve.planner.profile import calibration_drift
+
+    def decode(model, slower):
+        return [[[1], [300 + k], 0.05, slower * model.predict(StepShape.of([1], [300 + k], 1))]
+                for k in range(9)]  # fmt: skip
+
+    costs = ServingCosts(2, 0.0, 0.0, 0.0, calibration_steps=decode(TWO, 1.2)
+                         + [[[256], [256], 0.5, 0.01]],  # a prompt step does not count
+                         part_cpus=1, part_calibration_steps=decode(ONE, 1.2))  # fmt: skip
+    profile = dataclasses.replace(PROFILE, serving=costs)
+    assert calibration_drift(profile) == pytest.approx(1.2)
+    assert calibration_drift(PROFILE) is None  # nothing measured
+    unpaired = ServingCosts(2, 0.0, 0.0, 0.0, calibration_steps=[[[1], [300], 0.05]])
+    assert calibration_drift(dataclasses.replace(PROFILE, serving=unpaired)) is None
