@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -68,6 +69,13 @@ def test_a_measured_profile_fits_this_machine(stories_path, tmp_path):
     assert 0 < model.predict(one) < model.predict(batch)
     assert 0 < model.predict(short) < model.predict(long)
     assert d["transfers"]["shm"]["bytes_per_s"] > 0
+    # the serving costs: the factors, a split server's decode factor where there are two CPUs
+    serving = d["serving"]
+    assert serving["decode_step_factor"] > 0 and serving["prefill_step_factor"] > 0
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert serving["part_cpus"] >= 1 and serving["part_decode_step_factor"] > 0
+        assert any(len(s) == 4 for s in serving["part_calibration_steps"])  # paired in time
+        assert any("the calibration's in-process decode steps took x" in n for n in d["notes"])
     # it keeps the steps it measured, and a refit fits them again without measuring
     assert len(d["samples"]["1"]) > 100
     again = tmp_path / "again.json"
