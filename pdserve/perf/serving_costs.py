@@ -82,11 +82,7 @@ def measure_serving_costs(
     cpus = sorted(os.sched_getaffinity(0))
     port = _free_port()
     base_url = f"http://127.0.0.1:{port}"
-    serve = [
-        sys.executable, "-m", "pdserve.cli", "serve", "--model", args.model, "--port", str(port),
-        "--cpus", ",".join(map(str, cpus)), "--linear-backend", str(args.linear_backend),
-        "--dtype", str(args.dtype), "--log-level", "warning",
-    ]  # fmt: skip
+    serve = _serve_command(args, port, "--cpus", _cpu_list(cpus))
     workload = WorkloadConfig(
         num_requests=NUM_REQUESTS,
         input_len=INPUT_LEN,
@@ -95,25 +91,21 @@ def measure_serving_costs(
     )
     tokenizer = HFPromptTokenizer(load_tokenizer(args.tokenizer or args.model))
     prompts = build_prompts(make_specs(workload), tokenizer)
-    alone = []  # each its own seed: no prompt shares a prefix with another (the prefix cache)
+    # each its own seed: no prompt shares a prefix with another (the prefix cache)
     lengths = [(n, OUTPUT_LEN) for n in SEQUENTIAL_LENS] + [(n, 1) for n in PROMPT_ONLY_LENS]
+    lengths += [(n, OUTPUT_LEN) for n in PART_LENS]  # the split server's, last
+    alone = []
     for i, (n, out) in enumerate(lengths):
         one = WorkloadConfig(num_requests=1, input_len=n, output_len=out, seed=1 + i)
         alone += build_prompts(make_specs(one), tokenizer, 1 + i)
+    alone, part = alone[: -len(PART_LENS)], alone[-len(PART_LENS) :]
     client = ClientConfig(base_url, args.model, "completions")
     log_path = Path(tempfile.mkdtemp(prefix="pdserve-profile-")) / "serve.log"
     # the client's heap frozen as `pdserve bench` freezes it: its CPU per token is that client's
     core = _in_process_engine(args, len(cpus))
     with ServerProcess(Deployment("calibration", base_url, tuple(serve)), log_path), frozen_heap():
         asyncio.run(run_requests(prompts[:CONCURRENCY], client, CONCURRENCY))  # warm up
-        # each request served alone, then the same shapes in-process (the server idle): the
-        # pairs lie seconds apart, where this machine's speed can move by a third in minutes
-        sequential, in_process = [], []
-        for prompt in alone:
-            time.sleep(SETTLE_S)
-            sequential += asyncio.run(run_requests([prompt], client, 1))
-            time.sleep(SETTLE_S)
-            in_process.append(_run_in_process(core, sequential[-1]))
+        sequential, in_process = _served_and_in_process(alone, client, core, cpus)
         del core
         before = fetch_metrics(base_url)
         cpu0 = time.process_time()
@@ -150,7 +142,7 @@ def measure_serving_costs(
         from pdserve.bench.errors import BenchError
 
         try:
-            costs = _measure_part(args, costs, alone, step_models, log_path.parent)
+            costs = _measure_part(args, costs, part, step_models, log_path.parent)
         except BenchError as e:  # the split server did not start: every worker takes the one
             log(f"no decode factor of a worker on part of the CPUs: {e}")
     log(
@@ -172,46 +164,31 @@ def measure_serving_costs(
 def _measure_part(
     args: EngineArgs,
     costs: ServingCosts,
-    alone: list,
+    prompts: list,
     step_models: Callable[[int], StepModel] | None,
     log_dir: Path,
 ) -> ServingCosts:
     """`costs` with the decode factor of a worker on part of the CPUs: a server split into a
-    prefill worker and a decode worker on half the CPUs each serves requests with prompts of
-    `PART_LENS` tokens (from `alone`, the calibration's requests) one at a time, and each is run
-    again in this process on the decode worker's CPUs, seconds later."""
+    prefill worker and a decode worker on half the CPUs each serves `prompts` one at a time,
+    and each is run again in this process on the decode worker's CPUs, seconds later."""
     import dataclasses
 
     from pdserve.bench.client import ClientConfig, run_requests
     from pdserve.bench.compare import Deployment, ServerProcess
 
-    prompts = [p for p in alone if p.output_len == OUTPUT_LEN and p.input_len in PART_LENS]
-    prompts = (prompts * len(PART_LENS))[: len(PART_LENS)]
     cpus = sorted(os.sched_getaffinity(0))
     prefill, decode = cpus[: len(cpus) // 2], cpus[len(cpus) // 2 :]
     port = _free_port()
     base_url = f"http://127.0.0.1:{port}"
-    serve = [
-        sys.executable, "-m", "pdserve.cli", "serve", "--model", args.model, "--port", str(port),
-        "--prefill-workers", "1", "--decode-workers", "1",
-        "--prefill-cpus", ",".join(map(str, prefill)), "--decode-cpus", ",".join(map(str, decode)),
-        "--linear-backend", str(args.linear_backend), "--dtype", str(args.dtype),
-        "--log-level", "warning",
-    ]  # fmt: skip
+    serve = _serve_command(args, port, "--prefill-workers", "1", "--decode-workers", "1",
+                           "--prefill-cpus", _cpu_list(prefill), "--decode-cpus", _cpu_list(decode))  # fmt: skip
     client = ClientConfig(base_url, args.model, "completions")
     with _pinned(decode):  # the engine's threads are made here, on the decode worker's CPUs
         core = _in_process_engine(args, len(decode))
-    served, in_process = [], []
-    with ServerProcess(
-        Deployment("calibration-split", base_url, tuple(serve)), log_dir / "split.log"
-    ):
+    deployment = Deployment("calibration-split", base_url, tuple(serve))
+    with ServerProcess(deployment, log_dir / "split.log"):
         asyncio.run(run_requests(prompts[:1], client, 1))  # warm up
-        for prompt in prompts:
-            time.sleep(SETTLE_S)
-            served += asyncio.run(run_requests([prompt], client, 1))
-            time.sleep(SETTLE_S)
-            with _pinned(decode):
-                in_process.append(_run_in_process(core, served[-1]))
+        served, in_process = _served_and_in_process(prompts, client, core, decode)
     del core
     steps = served_steps(served, in_process)
     out = dataclasses.replace(costs, part_cpus=len(decode), part_calibration_steps=steps)
@@ -220,6 +197,36 @@ def _measure_part(
         factors = profile_step_factors(steps, step_models(len(decode)), cpu)
         out = dataclasses.replace(out, part_decode_step_factor=factors.get("decode_step_factor"))
     return out
+
+
+def _served_and_in_process(prompts, client, core, cpus: list[int]) -> tuple[list, list]:
+    """Each prompt served alone, then the same shapes run in `core` on `cpus` (the server
+    idle): the pairs lie seconds apart, where this machine's speed can move by a third in
+    minutes. (the served records, the in-process step times of each)"""
+    from pdserve.bench.client import run_requests
+
+    served, in_process = [], []
+    for prompt in prompts:
+        time.sleep(SETTLE_S)
+        served += asyncio.run(run_requests([prompt], client, 1))
+        time.sleep(SETTLE_S)
+        with _pinned(cpus):
+            in_process.append(_run_in_process(core, served[-1]))
+    return served, in_process
+
+
+def _serve_command(args: EngineArgs, port: int, *placement: str) -> list[str]:
+    """`pdserve serve` of the profile's model, kernels and dtype on `port`, placed by
+    `placement` (its CPU flags)."""
+    return [
+        sys.executable, "-m", "pdserve.cli", "serve", "--model", args.model, "--port", str(port),
+        *placement, "--linear-backend", str(args.linear_backend), "--dtype", str(args.dtype),
+        "--log-level", "warning",
+    ]  # fmt: skip
+
+
+def _cpu_list(cpus: list[int]) -> str:
+    return ",".join(map(str, cpus))
 
 
 @contextlib.contextmanager
