@@ -30,7 +30,11 @@ profile must have been measured with the same):
                      --max-num-batched-tokens 2048 (not in the default set)
 
 Each measured run waits for a quiet machine (no other benchmark, test or pdserve process) and
-runs again when disturbed, as the other serving benchmarks do. `--resimulate FILE` keeps a saved
+runs again when disturbed, as the other serving benchmarks do. With `--anchor`, a probe of a
+few seconds (`pdserve profile --anchor`'s) runs in this process just before and just after each
+measured run, and the same requests are simulated three ways: with the profile as measured, with
+the profile anchored on the probe before the run (what a planner run at that moment would know),
+and anchored on both probes (the machine's speed over the run). `--resimulate FILE` keeps a saved
 run's measured side and simulates the same requests again with `--profile` (seconds, not half an
 hour): how a change to the simulator or the profile moves its error against the same
 measurements.
@@ -39,6 +43,7 @@ measurements.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -59,7 +64,7 @@ from pdserve.cli import parse_args  # noqa: E402
 from pdserve.commands.flags import from_args  # noqa: E402
 from pdserve.commands.serve import disagg_config_from  # noqa: E402
 from pdserve.config import EngineArgs, ModelConfig  # noqa: E402
-from pdserve.planner.profile import Profile  # noqa: E402
+from pdserve.planner.profile import Anchor, Profile  # noqa: E402
 from pdserve.planner.scrape import Scrape, Window  # noqa: E402
 from pdserve.planner.simulator import Simulation  # noqa: E402
 
@@ -116,6 +121,40 @@ def simulate(serve_args: list[str], model: str, specs, records, profile: Profile
     result = sim.run(same)
     wall = time.perf_counter() - t0
     return result.records, wall, simulated_steps(result.steps, sim.workers)
+
+
+VARIANTS = ("before", "both")  # `--anchor`: the probe before the run, and before and after
+
+
+def anchor_variants(profile: Profile, probes: dict) -> dict[str, Profile]:
+    """The profile anchored on the probe before the run, and on both probes' steps together
+    (`probes`: the saved {"before": {size: Anchor dict}, "after": ...}), each measured against
+    this profile's fitted models."""
+    out = {}
+    for name, which in (("before", ("before",)), ("both", ("before", "after"))):
+        anchors = {}
+        for size in profile.step_models:
+            steps = [row for w in which for row in probes[w].get(str(size), {}).get("steps", [])]
+            if steps:
+                anchors[size] = Anchor.measure(profile.fitted_step_model(size), steps)
+        out[name] = profile.anchored(anchors)
+    return out
+
+
+def simulate_variants(entry: dict, serve_args, model, specs, records, profile: Profile) -> None:
+    """Add to `entry` the simulation of its requests with each anchored profile."""
+    if not entry.get("probes"):
+        return
+    entry["variants"] = {}
+    for name, anchored in anchor_variants(profile, entry["probes"]).items():
+        sim_records, _, sim_steps = simulate(serve_args, model, specs, records, anchored)
+        sim = figures(sim_records)
+        entry["variants"][name] = {
+            "simulated": sim,
+            "error": compare(entry["measured"], sim),
+            "steps": sim_steps,
+            "anchors": {str(k): [a.decode, a.prefill] for k, a in anchored.anchors.items()},
+        }
 
 
 def step_phase(scheduled: list[tuple[str, int]], decoding: set[str]) -> str:
@@ -179,6 +218,23 @@ def compare(measured_f: dict, sim_f: dict) -> dict:
 
 
 def print_table(entries: list[dict]) -> None:
+    _print_table(entries)
+    for name in VARIANTS:
+        chosen = [
+            {**e, **e["variants"][name], "steps": {**e["steps"], "simulated": e["variants"][name]["steps"]}}
+            for e in entries if name in e.get("variants", {})
+        ]  # fmt: skip
+        if chosen:
+            print(f"\n== the profile anchored on the probe{'s' * (name == 'both')} "
+                  f"{'before the run' if name == 'before' else 'before and after the run'} ==")  # fmt: skip
+            for e in chosen:
+                cells = ", ".join(f"{k} t: x{d:.2f} decode, x{p:.2f} prompt"
+                                  for k, (d, p) in e["anchors"].items())  # fmt: skip
+                print(f"  {e['workload']} x {e['deployment']}: {cells}")
+            _print_table(chosen)
+
+
+def _print_table(entries: list[dict]) -> None:
     print("\n| workload | deployment | " + " | ".join(f"{m} {p}" for m, p in FIGURES) + " |")
     print("| --- | --- |" + " --- |" * len(FIGURES))
     for e in entries:
@@ -222,6 +278,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--linear-backend", default="auto")
     p.add_argument("--attempts", type=int, default=2)
+    p.add_argument("--anchor", action="store_true",
+                   help="probe the machine's speed before and after each run (see above)")  # fmt: skip
     p.add_argument("--output", help="write everything (per-request records too) as JSON")
     p.add_argument("--reanalyze", metavar="FILE", help="print the table of a saved --output")
     p.add_argument("--resimulate", metavar="FILE",
@@ -241,6 +299,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="sim_accuracy-"))
     print(f"logs in {workdir}\nprofile: {profile.description}")
     deps = deployments(a.linear_backend)
+    engine = profile_engine(model, a.linear_backend) if a.anchor else None
     entries = []
     for wname in a.workloads.split(","):
         specs, prompts = workload(wname, a, tok)
@@ -249,13 +308,16 @@ def main() -> None:
             print(f"\n== {wname} x {dname} ==", flush=True)
 
             def run(serve_args=serve_args, wname=wname, dname=dname, prompts=prompts):
+                probes = {"before": probe(engine, profile)} if a.anchor else {}
                 with Server(serve_args, workdir / f"{wname}-{dname}.log") as srv:
                     before = Scrape.parse(srv.metrics(), time.monotonic())
                     records = send(prompts, srv.base_url, model)
                     after = Scrape.parse(srv.metrics(), time.monotonic())
-                    return records, measured_steps(Window([before, after]))
+                if a.anchor:
+                    probes["after"] = probe(engine, profile)
+                return records, measured_steps(Window([before, after])), probes
 
-            (records, server_steps), meta = measured(run, f"{wname}-{dname}", a.attempts)
+            (records, server_steps, probes), meta = measured(run, f"{wname}-{dname}", a.attempts)
             sim_records, wall, sim_steps = simulate(deps[dname], model, specs, records, profile)
             entry = {
                 "workload": wname,
@@ -270,8 +332,10 @@ def main() -> None:
                 "sim_requests_per_s": len(specs) / wall if wall else None,
                 "records": [r.to_dict() for r in records],
                 "sim_records": [r.to_dict() for r in sim_records],
+                "probes": probes,
             }
             entry["error"] = compare(entry["measured"], entry["simulated"])
+            simulate_variants(entry, deps[dname], model, specs, records, profile)
             entries.append(entry)
             print_table([entry])
     print_table(entries)
@@ -285,6 +349,28 @@ def main() -> None:
         }
         Path(a.output).write_text(json.dumps(res, indent=1))
         print(f"wrote {a.output}")
+
+
+def profile_engine(model: str, backend: str):
+    """The engine `pdserve profile --model MODEL --linear-backend BACKEND` measures."""
+    from pdserve.commands.engine_args import engine_args_from
+
+    _, args = parse_args(
+        ["profile", "--model", model, "--linear-backend", backend, "--output", "-"]
+    )
+    return engine_args_from(args)
+
+
+PROBE_CORES: dict = {}  # `probe`'s engines, built once and probed before and after every run
+
+
+def probe(engine, profile: Profile) -> dict:
+    """This machine's speed of the moment against the profile (`pdserve profile --anchor`)."""
+    from pdserve.perf.step_profile import measure_anchors
+
+    log = lambda m: print(f"  probe: {m}", flush=True)  # noqa: E731
+    anchors = measure_anchors(engine, profile, log, cores=PROBE_CORES)
+    return {str(k): dataclasses.asdict(v) for k, v in anchors.items()}
 
 
 def resimulate(a, profile: Profile) -> None:
@@ -305,6 +391,7 @@ def resimulate(a, profile: Profile) -> None:
                  "steps": {**e.get("steps", {}), "simulated": sim_steps},
                  "sim_records": [r.to_dict() for r in sim_records]}  # fmt: skip
         entry["error"] = compare(entry["measured"], entry["simulated"])
+        simulate_variants(entry, e["serve"][2:], model, specs, records, profile)
         entries.append(entry)
     print_table(entries)
     if a.output:

@@ -5,7 +5,8 @@ per thread count and KV transfer rates (see pdserve/perf/step_profile.py for wha
 what serving adds to a step (pdserve/perf/serving_costs.py: a short `pdserve serve` run). The
 engine flags are `pdserve serve`'s, so the profile is of the engine a deployment would run
 (`--linear-backend`, `--dtype`, ...). A profile keeps the steps it measured, so `--refit`
-fits them again (a later version's fit, or `--no-decode-split`) without measuring anything.
+fits them again (a later version's fit, or `--no-decode-split`) without measuring anything, and
+`--anchor` scales a profile to this machine's speed of the moment by a probe of a few seconds.
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="measure nothing: fit the step models again to the steps a measured profile kept, "
         "with this version's fit (and --no-decode-split), and write them to --output",
     )
+    g.add_argument(
+        "--anchor",
+        metavar="FILE",
+        help="measure a few seconds of steps on a measured profile's thread counts and write it "
+        "to --output with its step models scaled to this machine's speed of the moment (give the "
+        "engine flags it was measured with); about half a minute",
+    )
     g.add_argument("--mfu", type=float, default=0.5, help="--analytic: MFU reached (0.5)")
     g.add_argument("--mbu", type=float, default=0.7, help="--analytic: MBU reached (0.7)")
     add_engine_arguments(p)
@@ -65,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     if args.refit:
         return _refit(args)
     engine = engine_args_from(args)
+    if args.anchor:
+        return _anchor(args, engine)
     if args.analytic:
         return _analytic(args, engine)
     allowed = len(os.sched_getaffinity(0))
@@ -129,6 +139,17 @@ def _refit(args: argparse.Namespace) -> int:
         print(f"served-step factors x{s.decode_step_factor:.2f} (decode), "
               f"{s.prefill_step_overhead_s * 1e3:.1f} ms + x{s.prefill_step_factor:.2f} (prompt)"
               + (f", x{part:.2f} (decode on {s.part_cpus} CPU(s))" if part else ""))  # fmt: skip
+    profile.save(args.output)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _anchor(args: argparse.Namespace, engine) -> int:
+    from pdserve.perf.step_profile import measure_anchors
+    from pdserve.planner.profile import Profile
+
+    profile = Profile.load(args.anchor)
+    profile = profile.anchored(measure_anchors(engine, profile))
     profile.save(args.output)
     print(f"wrote {args.output}")
     return 0

@@ -14,6 +14,11 @@ printed and kept in the profile's notes, and the steps themselves in the profile
 later fit can use them again (`pdserve profile --refit`). KV transfers: `shm` is a copy into shared
 memory, so its rate is this machine's measured copy bandwidth; `tcp` is measured by sending
 1 MiB frames over a loopback ZMQ socket.
+
+`measure_anchors` (`pdserve profile --anchor`) runs a few seconds of the same shapes on an
+existing profile's thread counts and measures how much faster or slower they run now than the
+profile's model says (`planner.profile.Anchor`): this machine's speed moves by 5-20% within half
+an hour when others share it, and a profile keeps the speed of the minutes it was measured in.
 """
 
 from __future__ import annotations
@@ -24,14 +29,16 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
 
 import numpy as np
+import torch
 
 from pdserve.config import EngineArgs
 from pdserve.engine.core import EngineCore
 from pdserve.perf.cost import ModelShape
 from pdserve.perf.hardware import cpu_model
-from pdserve.planner.profile import Profile, TransferModel
+from pdserve.planner.profile import Anchor, Profile, TransferModel
 from pdserve.planner.step_model import SplitStepModel, StepModel, StepShape
 from pdserve.types import SamplingParams
 
@@ -87,7 +94,7 @@ def measure_profile(
     )
     return Profile(
         kind="measured",
-        description=f"{args.model} ({args.dtype}, {args.linear_backend} kernels) on {cpu_model()}",
+        description=profile_description(args),
         kv_bytes_per_token=kv_bytes_per_token or shape.kv_bytes_per_token,
         num_layers=shape.num_layers,
         step_models=models,
@@ -97,35 +104,113 @@ def measure_profile(
     )
 
 
-def run_scenarios(core: EngineCore, repeats: int, log=print) -> list[Sample]:
-    """Drive `core` through the scenarios; every step's (shape, seconds)."""
-    rng = random.Random(0)
-    vocab = core.model_config.vocab_size
-    max_len = core.max_model_len
-    samples: list[Sample] = []
-    counter = iter(range(10**9))
+class Driver:
+    """Requests of random tokens added to an `EngineCore` and its steps run and timed, with the
+    scheduler's token budget and chunk size of each scenario; the timed steps in `samples`."""
 
-    def prompt(n: int) -> list[int]:
-        return [rng.randrange(3, vocab) for _ in range(min(n, max_len - 64))]
+    def __init__(self, core: EngineCore, seed: int = 0):
+        self.core, self.rng = core, random.Random(seed)
+        self.samples: list[Sample] = []
+        self._counter = iter(range(10**9))
 
-    def add(n_prompt: int, max_tokens: int) -> None:
-        rid, tokens = f"p{next(counter)}", prompt(n_prompt)
-        max_tokens = min(max_tokens, max_len - len(tokens))  # a small model's context bounds both
+    def add(self, n_prompt: int, max_tokens: int) -> None:
+        core = self.core
+        n_prompt = min(n_prompt, core.max_model_len - 64)
+        tokens = [self.rng.randrange(3, core.model_config.vocab_size) for _ in range(n_prompt)]
+        max_tokens = min(max_tokens, core.max_model_len - len(tokens))  # a small model's context
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        core.add_request(core.make_request(rid, tokens, params))
+        core.add_request(core.make_request(f"p{next(self._counter)}", tokens, params))
 
-    def run(budget: int, chunk: int = 0, until=None) -> None:
-        sched = core.scheduler
+    def run(self, budget: int, chunk: int = 0, until=None) -> None:
+        sched = self.core.scheduler
         sched.config = dataclasses.replace(
             sched.config, max_num_batched_tokens=budget, long_prefill_token_threshold=chunk
         )
         while sched.has_unfinished and (until is None or not until()):
-            samples.extend(timed_step(core))
+            self.samples.extend(timed_step(self.core))
 
-    run(256)  # warm-up: kernels built, caches touched (not kept)
-    add(64, 4)
-    run(256)
-    samples.clear()
+    def warm_up(self) -> None:
+        """Kernels built and caches touched; nothing kept."""
+        self.run(256)
+        self.add(64, 4)
+        self.run(256)
+        self.samples.clear()
+
+
+def profile_description(args: EngineArgs) -> str:
+    """What a profile measured with `args` on this machine says it is of."""
+    return f"{args.model} ({args.dtype}, {args.linear_backend} kernels) on {cpu_model()}"
+
+
+PROBE_PROMPTS = (64, 256, 512)  # `probe_scenarios`: one-chunk prompts
+PROBE_DECODES = ((1, 256), (4, 128), (8, 64))  # and decode batches: (sequences, context)
+
+
+def measure_anchors(
+    args: EngineArgs,
+    profile: Profile,
+    log: Callable[[str], None] = print,
+    cores: dict[int, EngineCore] | None = None,
+) -> dict[int, Anchor]:
+    """Anchor a measured profile to this machine's speed of the moment: for each worker size it
+    has a model of, a few seconds of steps (`probe_scenarios`) on that many of the allowed CPUs
+    against the fitted model's time for them (`Anchor`). `args` must be the engine the profile
+    was measured with, on the same machine. `cores`: engines by thread count kept from one call
+    to the next (those missing are built and added), for a caller that probes again and again."""
+    if profile.kind != "measured":
+        raise ValueError("only a measured profile can be anchored")
+    if profile.description != (here := profile_description(args)):
+        raise ValueError(
+            f"the profile is of {profile.description!r}, this engine here is {here!r}: anchor "
+            "it with the engine flags it was measured with, on the machine it was measured on"
+        )
+    allowed = sorted(os.sched_getaffinity(0))
+    anchors = {}
+    for n in sorted(profile.step_models):
+        if n > len(allowed):
+            raise ValueError(f"the profile has a {n}-thread model: only {len(allowed)} CPUs here")
+        os.sched_setaffinity(0, allowed[:n])
+        try:
+            core = (cores or {}).get(n) or EngineCore(dataclasses.replace(args, num_threads=n))
+            if cores is not None:
+                cores[n] = core
+            torch.set_num_threads(n)  # another kept engine may have set its own
+            samples = probe_scenarios(core, seed=time.monotonic_ns())
+            del core
+        finally:
+            os.sched_setaffinity(0, allowed)
+        rows = [[list(s.q_lens), list(s.ctx_lens), s.num_sampled, t] for s, t in samples]
+        when = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        anchors[n] = a = Anchor.measure(profile.fitted_step_model(n), rows, when)
+        log(
+            f"{n} thread(s): {len(rows)} probe steps at x{a.decode:.2f} (decode) and "
+            f"x{a.prefill:.2f} (prompt) the profile's time"
+        )
+    return anchors
+
+
+def probe_scenarios(core: EngineCore, seed: int = 1) -> list[Sample]:
+    """A few seconds of steps of shapes the scenarios measure (`run_scenarios`): one-chunk
+    prompts and decode batches, twice. Prompts of random tokens by `seed`: an engine probed
+    again takes another seed, or its prefix cache would hold them."""
+    driver = Driver(core, seed=seed)
+    driver.warm_up()
+    for _ in range(2):
+        for q in PROBE_PROMPTS:
+            driver.add(q, 1)
+            driver.run(4096)
+        for batch, ctx in PROBE_DECODES:
+            for _ in range(batch):
+                driver.add(ctx, 12)
+            driver.run(8192)
+    return driver.samples
+
+
+def run_scenarios(core: EngineCore, repeats: int, log=print) -> list[Sample]:
+    """Drive `core` through the scenarios; every step's (shape, seconds)."""
+    driver = Driver(core)
+    rng, samples, add, run = driver.rng, driver.samples, driver.add, driver.run
+    driver.warm_up()
     for r in range(repeats):
         for q in (16, 64, 128, 256, 512, 1024):  # one chunk from an empty context
             add(q, 1)

@@ -4,7 +4,9 @@ A `Profile` is what the simulator needs to know of the hardware and the model: h
 of a given shape takes on a worker of N threads (CPU) or devices (`step_models`), how long a
 prompt's KV takes to reach another worker (`transfers`, per transport), how many bytes of KV a
 token holds, and (measured profiles) what serving adds: the CPU the frontend takes per output
-token and its latency (`serving`). `pdserve profile` measures one on this machine (`kind:
+token and its latency (`serving`). A measured profile can be anchored later (`anchors`): a
+probe of a few seconds measures how much faster or slower the machine runs the same steps now,
+and the step models scale by that (`pdserve profile --anchor`). `pdserve profile` measures one on this machine (`kind:
 "measured"`); for hardware that is not here, `analytic_profile` builds one from datasheet peaks
 (`kind: "analytic"`, which the output says). Profiles are JSON files.
 """
@@ -18,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pdserve.planner.step_model import (
+    ScaledStepModel,
     SplitStepModel,
     StepModel,
     StepShape,
@@ -76,6 +79,33 @@ class ServingCosts:
         return self.decode_step_factor
 
 
+@dataclass(frozen=True)
+class Anchor:
+    """This machine's speed at a later moment than the one its profile's steps were measured
+    in: a short probe's steps (`steps`, [q_lens, ctx_lens, num_sampled, seconds] each) over the
+    fitted model's time for them, at the median, for decode-only steps and for steps with prompt
+    tokens (1.0 where the probe ran none). A machine shared with others moves 5-20% within half
+    an hour; a profile measured in minutes keeps the speed of those minutes, and an anchor taken
+    just before a run brings it to the run's."""
+
+    decode: float
+    prefill: float
+    steps: list = field(default_factory=list)
+    when: str = ""  # UTC, ISO 8601
+
+    @classmethod
+    def measure(cls, model: StepModel, steps: list, when: str = "") -> Anchor:
+        ratios: dict[bool, list[float]] = {True: [], False: []}
+        for q_lens, ctx_lens, num_sampled, seconds in steps:
+            shape = StepShape.of(q_lens, ctx_lens, num_sampled)
+            if (predicted := model.predict(shape)) > 0:
+                ratios[shape.is_decode].append(seconds / predicted)
+        decode, prefill = (
+            statistics.median(ratios[k]) if ratios[k] else 1.0 for k in (True, False)
+        )
+        return cls(decode, prefill, steps, when)
+
+
 @dataclass
 class Profile:
     kind: str  # "measured" (on this machine) or "analytic" (datasheet peaks, efficiency factors)
@@ -89,12 +119,35 @@ class Profile:
     # measured profiles: the steps the models were fitted to, by worker size, [q_lens, ctx_lens,
     # num_sampled, seconds] each, so that a later version of the fit can refit them (`refit`)
     samples: dict[int, list] = field(default_factory=dict)
+    # measured profiles anchored later (`Anchor`), by worker size: the step models scale by them
+    anchors: dict[int, Anchor] = field(default_factory=dict)
 
     def step_model(self, size: int) -> StepModel:
-        """The model of a worker of `size` threads or devices (the nearest measured size)."""
+        """The model of a worker of `size` threads or devices (the nearest measured size),
+        scaled by its anchor where the profile has one."""
+        nearest = self._nearest(size)
+        model, anchor = self.step_models[nearest], self.anchors.get(nearest)
+        if anchor is None:
+            return model
+        return ScaledStepModel(model, anchor.decode, anchor.prefill)
+
+    def fitted_step_model(self, size: int) -> StepModel:
+        """The model as fitted to the profile's own steps, whatever anchors it carries."""
+        return self.step_models[self._nearest(size)]
+
+    def _nearest(self, size: int) -> int:
         if size in self.step_models:
-            return self.step_models[size]
-        return self.step_models[min(self.step_models, key=lambda s: (abs(s - size), -s))]
+            return size
+        return min(self.step_models, key=lambda s: (abs(s - size), -s))
+
+    def anchored(self, anchors: dict[int, Anchor]) -> Profile:
+        """This profile with `anchors` (by worker size) in place of any it had."""
+        if self.kind != "measured":
+            raise ValueError("only a measured profile can be anchored")
+        unknown = set(anchors) - set(self.step_models)
+        if unknown:
+            raise ValueError(f"anchors for worker sizes {sorted(unknown)} the profile lacks")
+        return dataclasses.replace(self, anchors=dict(anchors))
 
     def transfer(self, transport: str) -> TransferModel:
         if transport not in self.transfers:
@@ -116,6 +169,7 @@ class Profile:
             "notes": self.notes,
             "serving": None if self.serving is None else asdict(self.serving),
             "samples": {str(k): v for k, v in sorted(self.samples.items())},
+            "anchors": {str(k): asdict(a) for k, a in sorted(self.anchors.items())},
         }
 
     @classmethod
@@ -130,6 +184,7 @@ class Profile:
             notes=list(d.get("notes", [])),
             serving=ServingCosts(**d["serving"]) if d.get("serving") else None,
             samples={int(k): v for k, v in d.get("samples", {}).items()},
+            anchors={int(k): Anchor(**a) for k, a in d.get("anchors", {}).items()},
         )
 
     def save(self, path: str | Path) -> None:
@@ -183,7 +238,7 @@ def calibration_drift(profile: Profile) -> float | None:
     ratios = []
     for steps, size in ((served.calibration_steps, served.cpus),
                         (served.part_calibration_steps, served.part_cpus)):  # fmt: skip
-        model = profile.step_model(size) if steps else None
+        model = profile.fitted_step_model(size) if steps else None
         for q_lens, ctx_lens, _, *own in steps:
             shape = StepShape.of(q_lens, ctx_lens, 1)
             if own and shape.is_decode and (predicted := model.predict(shape)) > 0:
@@ -217,8 +272,8 @@ def _line(x: list[float], y: list[float]) -> tuple[float, float] | None:
 
 def refit(profile: Profile, *, split_decode: bool = True) -> Profile:
     """`profile` with its step models fitted again to the steps it kept (`samples`), by this
-    version's `SplitStepModel.fit`, and its served-step factors computed again against the new
-    models from the served steps it kept. Nothing is measured."""
+    version's `SplitStepModel.fit`, and its served-step factors and anchors computed again
+    against the new models from the steps they kept. Nothing is measured."""
     if profile.kind != "measured" or not profile.samples:
         raise ValueError("only a measured profile that kept its steps can be refitted")
     models, notes = {}, list(profile.notes)
@@ -231,18 +286,22 @@ def refit(profile: Profile, *, split_decode: bool = True) -> Profile:
             f"refitted, {size} thread(s): fit error median {statistics.median(errors):.1%}, "
             f"p90 {errors[int(0.9 * (len(errors) - 1))]:.1%}{wide}"
         )
-    out = dataclasses.replace(profile, step_models=models, notes=notes)
+    anchors = {
+        size: Anchor.measure(models[size], a.steps, a.when)
+        for size, a in profile.anchors.items() if size in models
+    }  # fmt: skip
+    out = dataclasses.replace(profile, step_models=models, notes=notes, anchors=anchors)
     served = profile.serving
     if served is not None and served.calibration_steps:
         cpu = served.frontend_cpu_per_token_s + served.client_cpu_per_token_s
-        factors = step_factors(served.calibration_steps, out.step_model(served.cpus), cpu)
+        factors = step_factors(served.calibration_steps, out.fitted_step_model(served.cpus), cpu)
         out.serving = served = dataclasses.replace(
             served, **{"prefill_step_overhead_s": 0.0, **factors}
         )
         if served.part_calibration_steps:
             part = step_factors(
                 served.part_calibration_steps,
-                out.step_model(served.part_cpus),
+                out.fitted_step_model(served.part_cpus),
                 part_cpu_per_token(served, cpu),
             )
             out.serving = dataclasses.replace(

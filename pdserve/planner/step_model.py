@@ -212,7 +212,20 @@ def _squared_error(model: LinearStepModel, pairs: Sequence[tuple[StepShape, floa
     return sum((model.predict(s) / t - 1) ** 2 for s, t in pairs)
 
 
-StepModel = LinearStepModel | SplitStepModel | AnalyticStepModel
+@dataclass(frozen=True)
+class ScaledStepModel:
+    """A fitted model whose decode-only steps and steps with prompt tokens are each scaled by a
+    factor: the same machine measured at another moment (`planner.profile.Anchor`)."""
+
+    base: LinearStepModel | SplitStepModel
+    decode: float
+    prefill: float
+
+    def predict(self, shape: StepShape) -> float:
+        return self.base.predict(shape) * (self.decode if shape.is_decode else self.prefill)
+
+
+StepModel = LinearStepModel | SplitStepModel | AnalyticStepModel | ScaledStepModel
 
 
 def step_model_from_dict(d: dict) -> StepModel:

@@ -85,3 +85,20 @@ def test_a_measured_profile_fits_this_machine(stories_path, tmp_path):
     refitted = json.loads(again.read_text())
     assert refitted["samples"] == d["samples"] and "wide_decode" not in refitted["step_models"]["1"]
     assert "refitted, 1 thread(s): fit error" in refitted["notes"][-1]
+    # anchored to the machine's speed of the moment by a probe of the same engine
+    anchored = tmp_path / "anchored.json"
+    text = pdserve("profile", "--model", stories_path, "--anchor", str(prof),
+                   "--output", str(anchored))  # fmt: skip
+    assert "1 thread(s):" in text and "probe steps at x" in text
+    a = json.loads(anchored.read_text())
+    assert a["step_models"] == d["step_models"] and a["samples"] == d["samples"]
+    anchor = a["anchors"]["1"]
+    assert anchor["decode"] > 0 and anchor["prefill"] > 0 and anchor["when"]
+    assert {len(q) > 1 for q, *_ in anchor["steps"]} == {True, False}  # decode batches, prompts
+    # not with another engine than the one measured
+    other = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "profile", "--model", stories_path, "--anchor",
+         str(prof), "--linear-backend", "torch", "--output", str(tmp_path / "x.json")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert other.returncode != 0 and "anchor it with the engine flags" in other.stderr

@@ -496,3 +496,77 @@ def test_calibration_drift_is_the_in_process_decode_over_the_model():
     assert calibration_drift(PROFILE) is None  # nothing measured
     unpaired = ServingCosts(2, 0.0, 0.0, 0.0, calibration_steps=[[[1], [300], 0.05]])
     assert calibration_drift(dataclasses.replace(PROFILE, serving=unpaired)) is None
+
+
+def test_an_anchor_is_the_probe_steps_over_the_fitted_model_per_kind_of_step():
+    from pdserve.planner.profile import Anchor
+
+    decode = [[[1] * b, [200] * b, b, 1.25 * ONE.predict(StepShape.of([1] * b, [200] * b, b))]
+              for b in (1, 4, 16)]  # fmt: skip
+    prompt = [[[q], [q], 1, 0.9 * ONE.predict(StepShape.of([q], [q], 1))] for q in (64, 512)]
+    anchor = Anchor.measure(ONE, decode + prompt, "2026-12-04T19:00:00+00:00")
+    assert anchor.decode == pytest.approx(1.25) and anchor.prefill == pytest.approx(0.9)
+    assert Anchor.measure(ONE, decode).prefill == 1.0  # a kind the probe did not run
+    assert Anchor.measure(ONE, []).decode == 1.0
+
+
+def test_an_anchored_profile_scales_its_steps_and_keeps_its_fit(tmp_path):
+    from pdserve.planner.profile import Anchor, calibration_drift
+
+    anchored = PROFILE.anchored({1: Anchor(1.5, 0.8, [[[1], [10], 1, 0.1]])})
+    decode, prompt = StepShape.of([1], [300], 1), StepShape.of([256], [256], 1)
+    one = anchored.step_model(1)
+    assert one.predict(decode) == pytest.approx(1.5 * ONE.predict(decode))
+    assert one.predict(prompt) == pytest.approx(0.8 * ONE.predict(prompt))
+    assert anchored.step_model(2) is TWO and anchored.fitted_step_model(1) is ONE
+    path = tmp_path / "p.json"
+    anchored.save(path)
+    again = Profile.load(path)
+    assert again.anchors == anchored.anchors
+    assert again.step_model(1).predict(decode) == pytest.approx(one.predict(decode))
+    with pytest.raises(ValueError, match="lacks"):
+        PROFILE.anchored({4: Anchor(1.0, 1.0)})
+    analytic = dataclasses.replace(PROFILE, kind="analytic")
+    with pytest.raises(ValueError, match="measured"):
+        analytic.anchored({1: Anchor(1.0, 1.0)})
+    # the drift between the profile's steps and its calibration is the fitted model's, anchored
+    # or not
+    steps = [[[1], [300 + k], 0.05, 1.2 * ONE.predict(StepShape.of([1], [300 + k], 1))]
+             for k in range(5)]  # fmt: skip
+    costs = ServingCosts(1, 0.0, 0.0, 0.0, calibration_steps=steps)
+    with_costs = dataclasses.replace(anchored, serving=costs)
+    assert calibration_drift(with_costs) == pytest.approx(1.2)
+
+
+def test_the_simulator_runs_an_anchored_profile_at_the_anchored_speed():
+    from pdserve.planner.profile import Anchor
+
+    args = EngineArgs(model="m")
+    specs = requests(n=6, gap=5.0, output_len=32)  # one at a time: TPOT is the decode step
+
+    def tpot(profile):
+        sim = Simulation(profile, args, None, max_model_len=2048, threads_per_worker=1)
+        s = summarize(sim.run(specs).records)
+        assert s["completed"] == len(specs)
+        return s["tpot_ms"]["p50"], s["ttft_ms"]["p50"]
+
+    (tpot0, ttft0), (tpot1, ttft1) = tpot(PROFILE), tpot(PROFILE.anchored({1: Anchor(1.3, 0.7)}))
+    assert tpot1 == pytest.approx(1.3 * tpot0, rel=1e-6)
+    assert ttft1 == pytest.approx(0.7 * ttft0, rel=0.02)  # the prompt's step, and one decode
+
+
+def test_refit_measures_the_anchors_again_against_the_new_models():
+    from pdserve.planner.profile import Anchor, refit
+
+    shapes = [StepShape.of([1] * b, [c] * b, b) for b in (1, 2, 4, 8) for c in (64, 512)] + [
+        StepShape.of([q], [q], 1) for q in (16, 64, 256, 1024)
+    ]
+    samples = [[list(s.q_lens), list(s.ctx_lens), s.num_sampled, ONE.predict(s)] for s in shapes]
+    probe = [[*row[:3], 1.1 * row[3]] for row in samples]
+    stale = Anchor(3.0, 3.0, probe)  # factors that do not follow from its own steps
+    old = Profile("measured", "synthetic", 36864, 12, {1: TWO}, samples={1: samples},
+                  anchors={1: stale})  # fmt: skip
+    new = refit(old)
+    assert new.anchors[1].decode == pytest.approx(1.1, rel=1e-3)
+    assert new.anchors[1].prefill == pytest.approx(1.1, rel=1e-3)
+    assert new.anchors[1].steps == probe
