@@ -4,6 +4,7 @@
     python benchmarks/sim_accuracy_bench.py --profile prof.json --output acc.json   # ~30 minutes
     python benchmarks/sim_accuracy_bench.py --reanalyze acc.json
     python benchmarks/sim_accuracy_bench.py --resimulate acc.json --profile prof.json --output b.json
+    python benchmarks/sim_accuracy_bench.py --spread acc.json acc2.json   # run against run
 
 For each workload x deployment, the requests are sent to `pdserve serve` (as disagg_bench.py
 does: a random llama-125m by default, float32, one deployment at a time on a quiet machine) and
@@ -37,7 +38,9 @@ the profile anchored on the probe before the run (what a planner run at that mom
 and anchored on both probes (the machine's speed over the run). `--resimulate FILE` keeps a saved
 run's measured side and simulates the same requests again with `--profile` (seconds, not half an
 hour): how a change to the simulator or the profile moves its error against the same
-measurements.
+measurements. `--spread FILE FILE...` compares the measured figures of runs of the same requests
+with each other: how far one measured run lies from another is the floor under the simulator's
+error.
 """
 
 from __future__ import annotations
@@ -284,7 +287,12 @@ def main() -> None:
     p.add_argument("--reanalyze", metavar="FILE", help="print the table of a saved --output")
     p.add_argument("--resimulate", metavar="FILE",
                    help="simulate a saved --output's requests again with --profile")  # fmt: skip
+    p.add_argument("--spread", metavar="FILE", nargs="+",
+                   help="compare the measured figures of saved runs of the same requests")  # fmt: skip
     a = p.parse_args()
+    if a.spread:
+        spread(a.spread)
+        return
     if a.reanalyze:
         print_table(json.loads(Path(a.reanalyze).read_text())["entries"])
         return
@@ -371,6 +379,35 @@ def probe(engine, profile: Profile) -> dict:
     log = lambda m: print(f"  probe: {m}", flush=True)  # noqa: E731
     anchors = measure_anchors(engine, profile, log, cores=PROBE_CORES)
     return {str(k): dataclasses.asdict(v) for k, v in anchors.items()}
+
+
+def spread(paths: list[str]) -> None:
+    """The same requests measured in several saved runs (the same workload arguments): each
+    figure in each run, and how far one run's figure lies from another's, as if the first were
+    a simulation of the second: the floor under any simulator's error on this machine."""
+    runs = [json.loads(Path(f).read_text()) for f in paths]
+    keys = ("num_requests", "rate", "seed", "mooncake_scale", "workloads")
+    if any({k: r["args"].get(k) for k in keys} != {k: runs[0]["args"].get(k) for k in keys}
+           for r in runs):  # fmt: skip
+        raise SystemExit("--spread: the runs were not of the same requests (arguments differ)")
+    by_run = [{(e["workload"], e["deployment"]): e["measured"] for e in r["entries"]} for r in runs]
+    common = [k for k in by_run[0] if all(k in b for b in by_run)]
+    print("\n| workload | deployment | " + " | ".join(f"{m} {p}" for m, p in FIGURES) + " |")
+    print("| --- | --- |" + " --- |" * len(FIGURES))
+    gaps = []
+    for key in common:
+        cells = []
+        for metric, pct in FIGURES:
+            values = [b[key][metric][pct] for b in by_run]
+            cells.append(" / ".join(f"{v:.0f}" for v in values))
+            gaps += [abs(x / y - 1) for i, x in enumerate(values) for y in values[i + 1 :]]
+        print(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
+    gaps.sort()
+    print(
+        f"\nbetween two runs of the same requests ({len(runs)} runs, {len(gaps)} pairs of "
+        f"figures): |difference| median {gaps[len(gaps) // 2]:.0%}, max {gaps[-1]:.0%}; "
+        f"{sum(g <= 0.15 for g in gaps) / len(gaps):.0%} within 15%"
+    )
 
 
 def resimulate(a, profile: Profile) -> None:
