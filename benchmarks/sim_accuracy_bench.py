@@ -40,7 +40,8 @@ run's measured side and simulates the same requests again with `--profile` (seco
 hour): how a change to the simulator or the profile moves its error against the same
 measurements. `--spread FILE FILE...` compares the measured figures of runs of the same requests
 with each other: how far one measured run lies from another is the floor under the simulator's
-error.
+error; and each run's simulations against its own run and against the per-figure median of all
+the runs (a measurement with less of one run's noise in it).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -408,6 +410,34 @@ def spread(paths: list[str]) -> None:
         f"figures): |difference| median {gaps[len(gaps) // 2]:.0%}, max {gaps[-1]:.0%}; "
         f"{sum(g <= 0.15 for g in gaps) / len(gaps):.0%} within 15%"
     )
+    median_measured: dict = {}
+    for key in common:
+        for m, p in FIGURES:
+            median = statistics.median(b[key][m][p] for b in by_run)
+            median_measured.setdefault(key, {}).setdefault(m, {})[p] = median
+    print("\neach run's simulations against its own measured run, and against the median of "
+          "the measured runs:")  # fmt: skip
+    for path, run in zip(paths, runs):
+        for name, pick in (("as profiled", lambda e: e),
+                           *((f"anchored {v}", lambda e, v=v: e.get("variants", {}).get(v))
+                             for v in VARIANTS)):  # fmt: skip
+            own, pooled = [], []
+            for e in run["entries"]:
+                sim = pick(e)
+                key = (e["workload"], e["deployment"])
+                if not sim or key not in median_measured:
+                    continue
+                own += [abs(v) for v in compare(e["measured"], sim["simulated"]).values()]
+                pooled += [abs(v) for v in compare(median_measured[key], sim["simulated"]).values()]
+            if own:
+                print(f"  {path} {name}: own run {_errors(own)}; median of runs {_errors(pooled)}")
+
+
+def _errors(errs: list[float]) -> str:
+    errs = sorted(e for e in errs if e is not None)
+    within = sum(e <= 0.15 for e in errs)
+    return (f"|error| median {errs[len(errs) // 2]:.0%}, max {errs[-1]:.0%}, "
+            f"{within} of {len(errs)} within 15%")  # fmt: skip
 
 
 def resimulate(a, profile: Profile) -> None:

@@ -96,9 +96,12 @@ def test_what_the_split_cannot_take_is_refused(stories_path, kw, match):
         LLM(stories_path, **kw)
 
 
-# test_quantization.py's for one rank: int8's, and int4's rounded to nearest (a shard cannot be
-# calibrated: that needs the whole model)
-QUANT_BOUNDS = {"int8": 0.01, "int4": 0.12}
+# Perplexity of the sharded model over one rank's with the same quantization, per text, measured
+# in the same run. One rank's own bounds against float32 (int8 1%, int4 rounded to nearest 12%)
+# are test_quantization.py's; sharding adds to them and how much depends on the machine's float
+# arithmetic, so the sharded model is held against one rank's, not against float32 again.
+# Measured (AMD Zen 1, AVX2): int8 +0.0% to +0.8%, int4 -1.4% to +2.2%.
+SHARD_BOUNDS = {"int8": 0.02, "int4": 0.04}
 
 
 def _perplexity(llm, text: str) -> float:
@@ -112,19 +115,20 @@ def _perplexity(llm, text: str) -> float:
 def test_quantized_shards(stories_path, held_out_stories, quant):
     """Each rank quantizes its own shard at load (int4: rounded to nearest, as one rank does
     with `quantization_calibration_tokens=0`). The row-split projections (o_proj, down_proj)
-    then round their activations and scale their weights over half a row, so the numbers are
-    not one rank's. The bounds: the same first 16 greedy tokens, and perplexity within the
-    single-rank quantization tests' bounds of float32 (int8 1%, int4 rounded to nearest 12%)."""
+    then round their activations over half a row, and int4's groups of 32 no longer line up
+    where half a row is not a multiple of 32 (the tiny model's down_proj: 172 = 2 x 86), so the
+    numbers are not one rank's. The bounds: the same first 16 greedy tokens as one rank, and
+    perplexity within SHARD_BOUNDS of one rank's on each held-out story."""
     prompt = "Once upon a time, there was a little"
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    float_ppl = [_perplexity(LLM(stories_path), t) for t in held_out_stories]
     one = LLM(stories_path, quantization=quant, quantization_calibration_tokens=0)
     want = one.generate([prompt], params)[0].outputs[0].token_ids
+    one_ppl = [_perplexity(one, t) for t in held_out_stories]
     llm = LLM(stories_path, quantization=quant, tensor_parallel_size=2)
     try:
         assert llm.generate([prompt], params)[0].outputs[0].token_ids == want
-        for text, ref in zip(held_out_stories, float_ppl, strict=True):
-            assert _perplexity(llm, text) / ref - 1 <= QUANT_BOUNDS[quant], text[:30]
+        for text, ref in zip(held_out_stories, one_ppl, strict=True):
+            assert abs(_perplexity(llm, text) / ref - 1) <= SHARD_BOUNDS[quant], text[:30]
         core = llm.engine.core
         assert core.kv.num_free_blocks() == core.kv.num_blocks
     finally:
