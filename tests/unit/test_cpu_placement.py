@@ -134,6 +134,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # a subprocess with torch and OpenMP threads: 15 s on a 2-core Zen 1
 def test_run_on_moves_every_thread_and_sets_the_thread_count():
     import subprocess
     import sys
