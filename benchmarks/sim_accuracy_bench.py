@@ -427,14 +427,15 @@ def spread(paths: list[str]) -> None:
                 key = (e["workload"], e["deployment"])
                 if not sim or key not in median_measured:
                     continue
-                own += [abs(v) for v in compare(e["measured"], sim["simulated"]).values()]
-                pooled += [abs(v) for v in compare(median_measured[key], sim["simulated"]).values()]
+                own += compare(e["measured"], sim["simulated"]).values()
+                pooled += compare(median_measured[key], sim["simulated"]).values()
             if own:
                 print(f"  {path} {name}: own run {_errors(own)}; median of runs {_errors(pooled)}")
 
 
-def _errors(errs: list[float]) -> str:
-    errs = sorted(e for e in errs if e is not None)
+def _errors(errs: list) -> str:
+    """A summary of relative errors; None (a figure measured as zero) is left out."""
+    errs = sorted(abs(e) for e in errs if e is not None)
     within = sum(e <= 0.15 for e in errs)
     return (f"|error| median {errs[len(errs) // 2]:.0%}, max {errs[-1]:.0%}, "
             f"{within} of {len(errs)} within 15%")  # fmt: skip

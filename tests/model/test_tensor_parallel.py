@@ -124,6 +124,7 @@ def test_quantized_shards(stories_path, held_out_stories, quant):
     one = LLM(stories_path, quantization=quant, quantization_calibration_tokens=0)
     want = one.generate([prompt], params)[0].outputs[0].token_ids
     one_ppl = [_perplexity(one, t) for t in held_out_stories]
+    one.close()
     llm = LLM(stories_path, quantization=quant, tensor_parallel_size=2)
     try:
         assert llm.generate([prompt], params)[0].outputs[0].token_ids == want

@@ -249,7 +249,7 @@ def draws(logits, proposals, rows, n=10000):
 
 
 # 10,000 verifications each (3-7 s): plain temperature in the default run, top-k and top-p in the
-# slow suite (the default run keeps under five minutes on a slower machine)
+# slow suite (to shorten the default run, which a 2-core Zen 1 takes over five minutes)
 DISTRIBUTIONS = [SAMPLED[0], *(pytest.param(p, marks=pytest.mark.slow) for p in SAMPLED[1:])]
 
 
