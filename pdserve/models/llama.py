@@ -137,7 +137,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.attn_backend = PagedSDPABackend() if attn_backend is None else attn_backend
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # An explicit `_weight` skips the random init, which on the meta device the loader
+        # builds under goes through torch's reference ops and imports torch._dynamo: ~2 s
+        # of every engine start for numbers the checkpoint overwrites.
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (

@@ -83,3 +83,17 @@ def test_models_do_not_import_the_runner():
             else:
                 continue
             assert not any(n.startswith("pdserve.runner") for n in names), path.name
+
+
+def test_loading_draws_no_random_weights_the_checkpoint_overwrites(tiny_models, monkeypatch):
+    """The model tree is built on the meta device and filled from the checkpoint. A random init
+    there is not only wasted: on meta it runs torch's reference ops, whose import of
+    torch._dynamo cost about 2 s of every engine start."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a weight was initialised at random before loading")
+
+    monkeypatch.setattr(torch.nn.init, "normal_", refuse)
+    cfg = ModelConfig.from_pretrained(tiny_models["llama"])
+    model = load_model(cfg, torch.device("cpu"), torch.float32, 64)
+    assert model.embed_tokens.weight.device.type == "cpu"
