@@ -2,11 +2,12 @@
 
 For each thread count, an `EngineCore` of the model (pinned to that many of the allowed CPUs)
 runs a fixed set of scenarios that together cover the step shapes serving produces: prefills of
-one chunk from an empty context (16 to 1024 tokens), a long prompt in chunks (context growing
+one chunk from an empty context (16 to 2048 tokens), a long prompt in chunks (context growing
 to 2048), decode batches of 1 to 32 sequences at short and long contexts and of mixed contexts
 (one long among short ones: decode attention pads to the longest), decodes sharing their steps
-with prefill chunks (mixed steps), and serving's steady state (requests of spread lengths
-arriving every few steps while others decode). Every step's shape (`StepShape`, taken from the
+with prefill chunks (mixed steps) and with whole prompts of 640 and 1,536 tokens (an unchunked
+deployment's mixed steps), and serving's steady state (requests of spread lengths arriving
+every few steps while others decode). Every step's shape (`StepShape`, taken from the
 scheduler's plan) and wall time (`EngineCore.step`: schedule, forward, sample, update) is
 recorded, and a `SplitStepModel` (decode-only steps fitted apart, wide decode batches apart
 again where that fits them better) per thread count; the fit's error on the measured steps is
@@ -212,7 +213,7 @@ def run_scenarios(core: EngineCore, repeats: int, log=print) -> list[Sample]:
     rng, samples, add, run = driver.rng, driver.samples, driver.add, driver.run
     driver.warm_up()
     for r in range(repeats):
-        for q in (16, 64, 128, 256, 512, 1024):  # one chunk from an empty context
+        for q in (16, 64, 128, 256, 512, 1024, 2048):  # one chunk from an empty context
             add(q, 1)
             run(4096)
         add(2048, 1)  # a long prompt in 256-token chunks: attention over a growing context
@@ -234,6 +235,13 @@ def run_scenarios(core: EngineCore, repeats: int, log=print) -> list[Sample]:
             add(768, 1)
             add(384, 1)
             run(256 + batch, 256)
+        for batch in (4, 16):  # and with whole prompts (unchunked prefill): a long prompt part
+            for _ in range(batch):
+                add(128, 40)
+            run(8192, until=lambda: all(r.num_output_tokens > 0 for r in core.scheduler.running))
+            add(1536, 1)
+            add(640, 1)
+            run(4096)
         # serving's steady state: requests of spread lengths arriving while others decode, so
         # decode batches hold contexts of every length over a cache that has seen turnover
         for _ in range(STEADY_REQUESTS):
