@@ -130,6 +130,21 @@ class Driver:
         while sched.has_unfinished and (until is None or not until()):
             self.samples.extend(timed_step(self.core))
 
+    def beside_decodes(
+        self, batch: int, prompts: Sequence[int], budget: int, chunk: int = 0
+    ) -> None:
+        """`batch` requests decoding (128-token prompts, prefilled first), then `prompts`
+        added and every request run to its end with `budget` and `chunk`: steps of prompt
+        tokens beside those decodes (mixed steps)."""
+        sched = self.core.scheduler
+        for _ in range(batch):
+            self.add(128, 40)
+        self.run(8192, until=lambda: not sched.waiting
+                 and all(r.num_output_tokens > 0 for r in sched.running))  # fmt: skip
+        for n in prompts:
+            self.add(n, 1)
+        self.run(budget, chunk)
+
     def warm_up(self) -> None:
         """Kernels built and caches touched; nothing kept."""
         self.run(256)
@@ -228,20 +243,9 @@ def run_scenarios(core: EngineCore, repeats: int, log=print) -> list[Sample]:
             for _ in range(batch - 1):
                 add(64, 12)
             run(8192)
-        for batch in (4, 16):  # decodes sharing their steps with prompt chunks
-            for _ in range(batch):
-                add(128, 40)
-            run(8192, until=lambda: all(r.num_output_tokens > 0 for r in core.scheduler.running))
-            add(768, 1)
-            add(384, 1)
-            run(256 + batch, 256)
-        for batch in (4, 16):  # and with whole prompts (unchunked prefill): a long prompt part
-            for _ in range(batch):
-                add(128, 40)
-            run(8192, until=lambda: all(r.num_output_tokens > 0 for r in core.scheduler.running))
-            add(1536, 1)
-            add(640, 1)
-            run(4096)
+        for batch in (4, 16):  # decodes sharing their steps with prompt chunks, then with
+            driver.beside_decodes(batch, (768, 384), 256 + batch, 256)  # whole prompts (an
+            driver.beside_decodes(batch, (1536, 640), 4096)  # unchunked deployment's steps)
         # serving's steady state: requests of spread lengths arriving while others decode, so
         # decode batches hold contexts of every length over a cache that has seen turnover
         for _ in range(STEADY_REQUESTS):

@@ -78,8 +78,6 @@ def test_a_measured_profile_fits_this_machine(stories_path, tmp_path):
         assert any("the calibration's in-process decode steps took x" in n for n in d["notes"])
     # it keeps the steps it measured, and a refit fits them again without measuring
     assert len(d["samples"]["1"]) > 100
-    # among them decodes beside a whole prompt longer than a chunk (an unchunked mixed step)
-    assert any(1 in q and max(q) > 256 for q, *_ in d["samples"]["1"])
     again = tmp_path / "again.json"
     text = pdserve("profile", "--model", stories_path, "--refit", str(prof), "--no-decode-split",
                    "--output", str(again))  # fmt: skip
