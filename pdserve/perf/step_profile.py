@@ -243,9 +243,11 @@ def run_scenarios(core: EngineCore, repeats: int, log=print) -> list[Sample]:
             for _ in range(batch - 1):
                 add(64, 12)
             run(8192)
-        for batch in (4, 16):  # decodes sharing their steps with prompt chunks, then with
-            driver.beside_decodes(batch, (768, 384), 256 + batch, 256)  # whole prompts (an
-            driver.beside_decodes(batch, (1536, 640), 4096)  # unchunked deployment's steps)
+        # decodes sharing their steps with prompt chunks, then with whole prompts (the mixed
+        # steps of an unchunked deployment)
+        for batch in (4, 16):
+            driver.beside_decodes(batch, (768, 384), 256 + batch, 256)
+            driver.beside_decodes(batch, (1536, 640), 4096)
         # serving's steady state: requests of spread lengths arriving while others decode, so
         # decode batches hold contexts of every length over a cache that has seen turnover
         for _ in range(STEADY_REQUESTS):

@@ -8,7 +8,7 @@ from pdserve.perf.step_profile import Driver
 
 
 def test_prompts_run_beside_decodes_whole_or_in_chunks(stories_path):
-    driver = Driver(EngineCore(EngineArgs(model=stories_path, num_threads=1)))
+    driver = Driver(EngineCore(EngineArgs(model=stories_path, num_threads=1, num_kv_blocks=256)))
     driver.beside_decodes(4, (300, 150), 4096)  # whole prompts, as an unchunked deployment
     whole = [s.q_lens for s, _ in driver.samples]
     assert (1, 1, 1, 1, 300, 150) in whole, whole[:3]
