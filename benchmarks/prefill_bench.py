@@ -19,7 +19,6 @@ import argparse
 import json
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(1, str(HERE))
 
+from lib import checkouts  # noqa: E402
 from lib.paths import DEFAULT_125M, TRACE, ensure_125m  # noqa: E402
 
 LOADS = 3
@@ -67,33 +67,21 @@ def child(checkout: str, model: str) -> None:
     print(json.dumps({"checkout": checkout, "loads": loads}))
 
 
-def run_child(checkout: str, model: str) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", checkout, "--model-dir", model],
-                         capture_output=True, text=True, check=True)  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--other", help="a second checkout to alternate with this one")
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--model-dir", type=Path, default=DEFAULT_125M)
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--output", type=Path, help="write every round's figures here (JSON)")
+    checkouts.add_arguments(p, rounds=4, model_dir=DEFAULT_125M)
     args = p.parse_args()
     if args.child:
         child(args.child, str(args.model_dir))
         return 0
     model = ensure_125m(args.model_dir)
-    checkouts = [str(HERE.parent)] + ([str(Path(args.other).resolve())] if args.other else [])
-    runs: dict[str, list[dict]] = {c: [] for c in checkouts}
-    for r in range(args.rounds):
-        for c in checkouts if r % 2 == 0 else checkouts[::-1]:
-            res = run_child(c, model)
-            runs[c].append(res)
-            print(f"round {r} {c}: " + " | ".join(
-                f"{x['seconds']:.2f} s (prefill {'+'.join(f'{t:.2f}' for t in x['prefill_steps_s'])}"
-                f" s, {x['prefill_faults']} faults)" for x in res["loads"]), flush=True)  # fmt: skip
+    runs: dict[str, list[dict]] = {c: [] for c in checkouts.checkouts(args.other)}
+    for r, c in checkouts.alternated(list(runs), args.rounds):
+        res = checkouts.run_child(__file__, c, model)
+        runs[c].append(res)
+        print(f"round {r} {c}: " + " | ".join(
+            f"{x['seconds']:.2f} s (prefill {'+'.join(f'{t:.2f}' for t in x['prefill_steps_s'])}"
+            f" s, {x['prefill_faults']} faults)" for x in res["loads"]), flush=True)  # fmt: skip
     print("\nmedians over rounds: load 1 (first after start) | loads 2-3")
     for c, rs in runs.items():
         first = [x["loads"][0] for x in rs]

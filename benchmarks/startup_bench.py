@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(1, str(HERE))
 
+from lib import checkouts  # noqa: E402
 from lib.paths import STORIES  # noqa: E402
 
 
@@ -43,12 +43,6 @@ def child(checkout: str, model: str) -> None:
                       "dynamo": "torch._dynamo" in sys.modules}))  # fmt: skip
 
 
-def engine_start(checkout: str, model: str) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", checkout, "--model-dir", model],
-                         capture_output=True, text=True, check=True)  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def server_start(checkout: str, model: str) -> float:
     """Seconds from launching `pdserve serve` to its first 200 from /health."""
     from lib.server import Server
@@ -63,26 +57,20 @@ def server_start(checkout: str, model: str) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--other", help="a second checkout to alternate with this one")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--model-dir", type=Path, default=STORIES)
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--output", type=Path, help="write every round's figures here (JSON)")
+    checkouts.add_arguments(p, rounds=5, model_dir=STORIES)
     args = p.parse_args()
     model = str(args.model_dir.resolve())
     if args.child:
         child(args.child, model)
         return 0
-    checkouts = [str(HERE.parent)] + ([str(Path(args.other).resolve())] if args.other else [])
-    runs: dict[str, list[dict]] = {c: [] for c in checkouts}
-    engine_start(checkouts[0], model)  # the kernels' build and the page cache, for neither side
-    for r in range(args.rounds):
-        for c in checkouts if r % 2 == 0 else checkouts[::-1]:
-            res = engine_start(c, model) | {"server_s": server_start(c, model)}
-            runs[c].append(res)
-            print(f"round {r} {c}: import {res['import_s']:.2f} s, LLM() {res['engine_s']:.2f} s"
-                  f" (torch._dynamo imported: {res['dynamo']}), server {res['server_s']:.2f} s",
-                  flush=True)  # fmt: skip
+    runs: dict[str, list[dict]] = {c: [] for c in checkouts.checkouts(args.other)}
+    checkouts.run_child(__file__, list(runs)[0], model)  # the kernels' build, the page cache
+    for r, c in checkouts.alternated(list(runs), args.rounds):
+        res = checkouts.run_child(__file__, c, model) | {"server_s": server_start(c, model)}
+        runs[c].append(res)
+        print(f"round {r} {c}: import {res['import_s']:.2f} s, LLM() {res['engine_s']:.2f} s"
+              f" (torch._dynamo imported: {res['dynamo']}), server {res['server_s']:.2f} s",
+              flush=True)  # fmt: skip
     print("\nmedian (range) over rounds:")
     print("| checkout | import pdserve s | LLM() s | pdserve serve to /health s |")
     print("| --- | --- | --- | --- |")

@@ -1,6 +1,6 @@
 """Pieces the benchmark scripts share: measuring on a shared CPU, /proc accounting, a `pdserve
 serve` subprocess, the engine benchmark's model, roofline, Hugging Face baseline and step timer,
-and each script's report.
+two checkouts alternated in fresh processes, and each script's report.
 
 The scripts run as `python benchmarks/X.py`, which puts `benchmarks/` first on `sys.path`, so
 they import this package as `lib`.
