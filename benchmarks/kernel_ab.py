@@ -8,7 +8,8 @@
 Loads this checkout's kernel library and the other checkout's (each built from its own sources,
 with `--flags` added: `-mno-avx512f` builds an AVX-512 machine's AVX2 paths), packs the same
 weights with each checkout's own layer (`NativeLinear`, `Int8Linear`, or `Int4Linear` rounding to
-nearest, groups of 32), and times the chain of one llama-125m decode step's projections (4 per
+nearest, groups of 32) onto huge pages where the machine has them (as the engine keeps its
+weights), and times the chain of one llama-125m decode step's projections (4 per
 layer x 12 layers: qkv, o, gate_up, down, and the 32000 x 768 head; 526 MiB in float32) on `--rows`
 activation rows, the two chains alternated `--rounds` times (which goes first alternates too). The
 speedup is taken per pair, so the swings of a shared machine's bandwidth from one minute to the
@@ -32,6 +33,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # this checkout's pdserve
+
+from pdserve.kernels import huge_pages  # noqa: E402
 
 LAYER = [(2304, 768), (768, 768), (6144, 768), (768, 3072)]  # qkv, o, gate_up, down
 SHAPES = LAYER * 12 + [(32000, 768)]
@@ -76,6 +79,10 @@ class Chain:
             layer = checkout_layer(checkout, kernel)
             self.packed = [(m.q, m.scale) for m in (layer(w, None, group_size=32)
                                                     for w in weights)]  # fmt: skip
+        if huge_pages.available():  # where the engine keeps its weights
+            flat = huge_pages.arena([t for packed in self.packed for t in packed])
+            it = iter(flat)
+            self.packed = [tuple(next(it) for _ in packed) for packed in self.packed]
         self.ys = [torch.empty(rows, w.shape[0]) for w in weights]
 
     def __call__(self, xs, rows: int) -> None:

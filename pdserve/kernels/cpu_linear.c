@@ -92,7 +92,10 @@ int pd_f32_linear(const float *x, int64_t M, int64_t K, const float *w, const fl
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             int mr = (int)(M - m0 < MR ? M - m0 : MR);
-            TILE_ROWS(mr, x, K, K, w, bias, b * PANELS, N, y, N, m0, M <= MR ? PF_K : 0)
+            if (M <= MR) /* pf_k a constant in each instance, not a test per k */
+                TILE_ROWS(mr, x, K, K, w, bias, b * PANELS, N, y, N, m0, PF_K)
+            else
+                TILE_ROWS(mr, x, K, K, w, bias, b * PANELS, N, y, N, m0, 0)
         }
     return 0;
 }
