@@ -10,7 +10,8 @@ with `--flags` added: `-mno-avx512f` builds an AVX-512 machine's AVX2 paths), pa
 weights with each checkout's own layer (`NativeLinear`, `Int8Linear`, or `Int4Linear` rounding to
 nearest, groups of 32) onto huge pages where the machine has them (as the engine keeps its
 weights), and times the chain of one llama-125m decode step's projections (4 per
-layer x 12 layers: qkv, o, gate_up, down, and the 32000 x 768 head; 526 MiB in float32) on `--rows`
+layer x 12 layers: qkv, o, gate_up, down, and the 32000 x 768 head; 490 MiB in float32;
+before 2026-12-06 the qkv had 12 KV heads, 526 MiB) on `--rows`
 activation rows, the two chains alternated `--rounds` times (which goes first alternates too). The
 speedup is taken per pair, so the swings of a shared machine's bandwidth from one minute to the
 next cancel: on a machine whose engine-level decode moves by 1.7x between rounds, this is what
@@ -36,7 +37,8 @@ sys.path.insert(0, str(HERE.parent))  # this checkout's pdserve
 
 from pdserve.kernels import huge_pages  # noqa: E402
 
-LAYER = [(2304, 768), (768, 768), (6144, 768), (768, 3072)]  # qkv, o, gate_up, down
+# qkv (12 query and 4 KV heads of 64), o, gate_up, down: the random llama-125m's layer
+LAYER = [(1280, 768), (768, 768), (6144, 768), (768, 3072)]
 SHAPES = LAYER * 12 + [(32000, 768)]
 
 
