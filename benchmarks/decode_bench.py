@@ -140,6 +140,16 @@ def llama_bench(llama_cpp: Path, gguf: Path, threads: int) -> dict:
     return out
 
 
+def split_text(sp: dict) -> str:
+    """`paired_decode`'s split in words: the native call(s) against reads of their bytes, and
+    the host's time."""
+    if "forward_of_read" in sp:
+        calls = f"the forward (layers and head in one call) {sp['forward_of_read']:.0%}"
+    else:
+        calls = f"layers {sp['layers_of_read']:.0%} and head {sp['head_of_read']:.0%}"
+    return f"{calls} of a read of their bytes, host {sp['host_s'] * 1e3:.2f} ms a step"
+
+
 def head_to_head(
     model_dir: Path,
     llama_cpp: Path | None,
@@ -154,8 +164,8 @@ def head_to_head(
     roofline of its own minute: this machine's read bandwidth moves by up to 2x between minutes,
     more than the kernels differ. The engine's decode is also measured step by step, each step
     paired with a read of its own bytes (`paired_decode`): bandwidth that moves within seconds
-    cancels there. `split` also pairs the step's two products (the fused layers, the head)
-    with reads of their own bytes and reports the host's time per step."""
+    cancels there. `split` also pairs the step's native forward (the fused layers and head) with
+    a read of its bytes and reports the host's time per step."""
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompt = random_prompts(random.Random(0), [128], vocab)
     engine_args = CONFIGS[GGUF_TYPES[precision]]
@@ -182,8 +192,7 @@ def head_to_head(
             f"{paired['roofline_fraction']:.0%})"
         )
         if sp := paired.get("split"):
-            line += (f"; layers {sp['layers_of_read']:.0%} and head {sp['head_of_read']:.0%} of "
-                     f"their reads, host {sp['host_s'] * 1e3:.2f} ms a step")  # fmt: skip
+            line += f"; {split_text(sp)}"
         if base is not None:
             f32 = decode_rate(base, prompt, 128)[0]
             out["float32"].append({"tokens_s": f32})
@@ -212,9 +221,7 @@ def head_to_head(
               f"{statistics.median(fr):.0%} of the roofline (rounds {min(fr):.0%}-{max(fr):.0%})")  # fmt: skip
         if splits := [x["paired"]["split"] for x in runs if "split" in x["paired"]]:
             med = {k: statistics.median(sp[k] for sp in splits) for k in splits[0]}
-            print(f"split, median of the rounds: layers {med['layers_of_read']:.0%} and head "
-                  f"{med['head_of_read']:.0%} of a read of their bytes, host "
-                  f"{med['host_s'] * 1e3:.2f} ms a step")  # fmt: skip
+            print(f"split, median of the rounds: {split_text(med)}")
     for key, name in (("llama_cpp", "llama.cpp"), ("float32", "pdserve float32")):
         if out[key]:
             ratios = [a["tokens_s"] / b["tokens_s"] for a, b in zip(out["pdserve"], out[key])]
@@ -264,8 +271,8 @@ def main() -> int:
                    help="the head to head's precision: F32 (float32), Q8_0 (pdserve int8), "
                    "Q4_0 or Q4_1 (pdserve int4, groups of 32; Q4_1 is its format)")  # fmt: skip
     p.add_argument("--split", action="store_true",
-                   help="with --head-to-head: also pair the step's fused layers and its head "
-                   "with reads of their own bytes, and report the host's time per step")  # fmt: skip
+                   help="with --head-to-head: also pair the step's fused forward (layers and "
+                   "head) with a read of its bytes, and report the host's time per step")  # fmt: skip
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = make_model(args.model_dir or Path("/tmp/pdbench/llama-125m"))

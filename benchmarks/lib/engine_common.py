@@ -170,10 +170,12 @@ def paired_decode(
     fraction is read time / step time, a stricter roofline than one sample of the minute.
     Returns the median step, the median fraction and its deciles.
 
-    `split` also times the two products inside each step, the fused step's one call over the
-    layers and the output head, each paired with a read of its own bytes (the head's weight;
-    the layers' are the rest of the step's), and the host's share: the step's time outside
-    both (scheduling, inputs, sampling, bookkeeping). Needs the fused decode step."""
+    `split` also times the step's forward, the fused step's one native call over the layers, the
+    final norm and the output head, paired with a read of the step's bytes, and the host's
+    share: the step's time outside it (scheduling, inputs, sampling, bookkeeping). Where the
+    head runs apart (a head on no native kernel), the layers' call and the head are each
+    paired with a read of their own bytes (the head's weight; the layers' are the rest). Needs
+    the fused decode step."""
     from pdserve.kernels import huge_pages, memory
 
     engine, totals = llm.engine, llm.engine.core.stats.totals
@@ -199,11 +201,14 @@ def paired_decode(
     if split:
         if model.fused_decode is None:
             raise ValueError("paired_decode(split=True) needs the fused decode step")
-        # the head's share of the step's bytes, as the step's statistics count it
-        runner, cfg = engine.core.runner, model.config
-        per_param = runner.matmul_bytes_per_param or model.norm.weight.element_size()
-        head_bytes = cfg.vocab_size * cfg.hidden_size * per_param
-        bufs = {"layers": buffer(nbytes - head_bytes), "head": buffer(head_bytes)}
+        fused_head = model.fused_decode.head is not None
+        if fused_head:  # one call: the layers and the head
+            bufs = {"forward": buf}
+        else:  # the head's share of the step's bytes, as the step's statistics count it
+            runner, cfg = engine.core.runner, model.config
+            per_param = runner.matmul_bytes_per_param or model.norm.weight.element_size()
+            head_bytes = cfg.vocab_size * cfg.hidden_size * per_param
+            bufs = {"layers": buffer(nbytes - head_bytes), "head": buffer(head_bytes)}
 
         def timing(name: str, fn):
             def call(*args):
@@ -215,8 +220,9 @@ def paired_decode(
             return call
 
         fused, logits = model.fused_decode, model.compute_logits
-        model.fused_decode = timing("layers", fused)
-        model.compute_logits = timing("head", logits)
+        model.fused_decode = timing("forward" if fused_head else "layers", fused)
+        if not fused_head:
+            model.compute_logits = timing("head", logits)
     steps, fractions = [], []
     split_rows: list[tuple[float, float, float]] = []  # host s, layers and head of the read
     try:
@@ -228,24 +234,23 @@ def paired_decode(
             read_s = min(timed(read, buf), timed(read, buf))
             steps.append(step_s)
             fractions.append(read_s / step_s)
-            if split and len(parts) == 2:
-                # the two in turn, so that the head's buffer (a quantized head's fits in a
-                # large L3) comes from memory as the head's weights do, not from the cache
+            if split and len(parts) == len(bufs):
+                # in turn, so that the head's buffer (a quantized head's fits in a large L3)
+                # comes from memory as the head's weights do, not from the cache
                 times = [(k, timed(read, b)) for _ in range(2) for k, b in bufs.items()]
                 reads = {k: min(t for name, t in times if name == k) for k in bufs}
-                split_rows.append((step_s - parts["layers"] - parts["head"],
-                                   reads["layers"] / parts["layers"],
-                                   reads["head"] / parts["head"]))  # fmt: skip
+                split_rows.append({"host_s": step_s - sum(parts.values()),
+                                   **{f"{k}_of_read": reads[k] / parts[k] for k in bufs}})  # fmt: skip
     finally:
         if split:
             model.fused_decode = fused
-            del model.compute_logits  # the class's method again
+            if not fused_head:
+                del model.compute_logits  # the class's method again
     q = statistics.quantiles(fractions, n=10)
     out = {"step_s": statistics.median(steps), "tokens_s": 1 / statistics.median(steps),
            "bytes_per_step": nbytes, "roofline_fraction": statistics.median(fractions),
            "roofline_fraction_p10_p90": [q[0], q[-1]], "steps": len(steps)}  # fmt: skip
     if split_rows:
-        host, layers, head = zip(*split_rows)
-        out["split"] = {"host_s": statistics.median(host), "layers_of_read": statistics.median(layers),
-                        "head_of_read": statistics.median(head), "steps": len(split_rows)}  # fmt: skip
+        out["split"] = {k: statistics.median(row[k] for row in split_rows) for k in split_rows[0]}
+        out["split"]["steps"] = len(split_rows)
     return out

@@ -2,8 +2,9 @@
 
 `LayerDesc` holds the pointers and shapes of one decoder layer (filled once, when the model is
 loaded: `pdserve.models.fused_decode`), `StepDesc` those of one step; `decode_step(layers, n,
-step, x, norm, eps, out)` runs the first `n` layers of an array of them on the step's tokens
-(updating `x` in place) and the model's final norm into `out`, in one call. The descriptors
+step, x, norm, eps, out[, head, logits])` runs the first `n` layers of an array of them on the
+step's tokens (updating `x` in place), the model's final norm into `out` and, given a head's
+`LinearDesc`, the logits, in one call. The descriptors
 hold raw pointers: whoever fills them keeps the tensors alive.
 """
 
@@ -45,7 +46,7 @@ class StepDesc(ctypes.Structure):
 def _lib() -> ctypes.CDLL:
     lib = library()
     lib.pd_decode_step.argtypes = [ctypes.POINTER(LayerDesc), _I, ctypes.POINTER(StepDesc), _P,
-                                   _P, _F, _P]  # fmt: skip
+                                   _P, _F, _P, ctypes.POINTER(LinearDesc), _P]  # fmt: skip
     lib.pd_decode_step.restype = ctypes.c_int
     lib.pd_decode_scratch_floats.argtypes = [ctypes.POINTER(LayerDesc), _I]
     lib.pd_decode_scratch_floats.restype = _I
@@ -61,13 +62,21 @@ def scratch_floats(layer: LayerDesc, nd: int) -> int:
 
 
 def decode_step(layers, n: int, step: StepDesc, x: torch.Tensor, norm: torch.Tensor,
-                eps: float, out: torch.Tensor) -> None:  # fmt: skip
+                eps: float, out: torch.Tensor, head: LinearDesc | None = None,
+                logits: torch.Tensor | None = None) -> None:  # fmt: skip
     """The first `n` layers of `layers` (a ctypes array of `LayerDesc`) on x [nd, hidden]
-    (updated in place), then out[nd, hidden] = rmsnorm(x) * norm."""
+    (updated in place), then out[nd, hidden] = rmsnorm(x) * norm and, with `head`,
+    logits[nd, head.n] = out @ W^T."""
     if not 0 < n <= len(layers):
         raise ValueError(f"decode_step: {n} layers of {len(layers)}")
+    if (head is None) != (logits is None):
+        raise ValueError("decode_step: a head needs its logits tensor, and only it")
+    if logits is not None and (logits.dtype != torch.float32 or not logits.is_contiguous()
+                               or tuple(logits.shape) != (x.shape[0], head.n)):  # fmt: skip
+        raise ValueError(f"decode_step: logits must be float32 [{x.shape[0]}, {head.n}]")
     rc = _lib().pd_decode_step(layers, n, ctypes.byref(step), x.data_ptr(), norm.data_ptr(),
-                               eps, out.data_ptr())  # fmt: skip
+                               eps, out.data_ptr(), None if head is None else ctypes.byref(head),
+                               None if logits is None else logits.data_ptr())  # fmt: skip
     if rc == -1:
         raise MemoryError("decode_step: no memory for its buffers")
     if rc != 0:

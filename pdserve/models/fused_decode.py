@@ -40,9 +40,12 @@ def _linear(module: nn.Module) -> native.LinearDesc | None:
 class FusedDecode:
     """Decode-only steps of one model through the fused native layers. Build with `build`."""
 
-    def __init__(self, model: nn.Module, layers: list[native.LayerDesc]) -> None:
+    def __init__(
+        self, model: nn.Module, layers: list[native.LayerDesc], head: native.LinearDesc | None
+    ) -> None:
         self.model = model  # keeps every tensor the descriptors point at alive
         self.layers = (native.LayerDesc * len(layers))(*layers)
+        self.head = head  # the output head where it runs on a native kernel, else None
         self._scratch: torch.Tensor | None = None
         self._cache_key: tuple[int, ...] = ()  # where the caches the descriptors point at lie
 
@@ -77,7 +80,8 @@ class FusedDecode:
                 qkv=linears[0], o=linears[1], gate_up=linears[2], down=linears[3],
             )  # fmt: skip
             layers.append(desc)
-        return cls(model, layers), ""
+        head = _linear(model.lm_head) if model.lm_head is not None else None
+        return cls(model, layers, head), ""
 
     def __call__(
         self,
@@ -85,7 +89,11 @@ class FusedDecode:
         positions: torch.Tensor,  # [nd] long
         kv_caches: list[torch.Tensor],  # per layer [2, slots, Hkv, W]; fewer: a draft's first
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [nd, hidden], after the model's final norm
+        with_logits: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """The hidden states [nd, hidden] after the model's final norm; `with_logits`: and the
+        logits [nd, vocab] of every row, computed in the same native call where the head runs
+        on a native kernel (else None: the caller computes them)."""
         nd = x.shape[0]
         rope = self.model.rope
         # the C side reads int64 indices, the context slots row by row (no copies when they are)
@@ -104,9 +112,11 @@ class FusedDecode:
             self._point_at(kv_caches, key)
         out = torch.empty_like(x)
         norm = self.model.norm
+        head = self.head if with_logits else None
+        logits = None if head is None else torch.empty(nd, head.n)
         native.decode_step(self.layers, min(len(self.layers), len(kv_caches)), step, x,
-                           norm.weight, norm.eps, out)  # fmt: skip
-        return out
+                           norm.weight, norm.eps, out, head, logits)  # fmt: skip
+        return (out, logits) if with_logits else out
 
     def _point_at(self, kv_caches: list[torch.Tensor], key: tuple[int, ...]) -> None:
         """Each layer's descriptor at its cache's K and V halves ([2, slots, Hkv, W])."""

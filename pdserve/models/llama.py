@@ -167,17 +167,21 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden], final-normed
+        with_logits: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """The hidden states [T, hidden], final-normed. `with_logits`: (hidden, the logits of
+        every row) where a fused decode step computes them in the same native call, else
+        (hidden, None), and the caller computes what logits it needs (`compute_logits`)."""
         if self.tp_leader is not None:
             self.tp_leader(input_ids, positions, meta, len(kv_caches))  # fewer: a draft
         x = self.embed_tokens(input_ids)
         hooked = self.layer_hooks_wanted is not None and self.layer_hooks_wanted()
         if self.fused_decode is not None and not meta.prefills and not hooked:
-            return self.fused_decode(x, positions, kv_caches, meta)  # the final norm too
+            return self.fused_decode(x, positions, kv_caches, meta, with_logits)
         cos_sin = self.rope.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos_sin, kv_cache, meta, self.rope, self.attn_backend)
-        return self.norm(x)
+        return (self.norm(x), None) if with_logits else self.norm(x)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab]

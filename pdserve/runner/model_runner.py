@@ -424,14 +424,22 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepResult:
         draft_probs = self._draft(plan, block_tables)
         inputs = self.prepare(plan, block_tables)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        # every row samples (a decode step): its logits in the forward's own call where it can
+        every_row = bool(inputs.rows) and inputs.logits_indices is None and not inputs.spec_rows
+        if every_row:
+            hidden, logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                        inputs.meta, with_logits=True)  # fmt: skip
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            logits = None
         prompt_logprobs = self._prompt_logprobs(plan, hidden, inputs.first_rows)
         speculated = self._verify(plan, inputs.spec_rows, hidden, draft_probs)
         if not inputs.rows:
             return StepResult([], [], prompt_logprobs, speculated)
-        if inputs.logits_indices is not None:
-            hidden = hidden[inputs.logits_indices]
-        logits = self.model.compute_logits(hidden)
+        if logits is None:
+            if inputs.logits_indices is not None:
+                hidden = hidden[inputs.logits_indices]
+            logits = self.model.compute_logits(hidden)
         out = self.sampler(logits, inputs.rows, self._grammar_masks(plan))
         return StepResult(out.token_ids, out.logprobs, prompt_logprobs, speculated)
 

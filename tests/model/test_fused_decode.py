@@ -95,6 +95,24 @@ def test_fused_step_matches_the_modules(arch, engine, tiny_models):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_the_fused_step_computes_the_heads_logits_in_the_same_call(engine, tiny_models):
+    """A decode step asked for its logits gets them from the fused call (the head on its native
+    kernel), equal to the head run apart on the same hidden states; without a native head the
+    caller is told to compute them (None)."""
+    llm = LLM(tiny_models["llama"], block_size=BLOCK, num_kv_blocks=64, **ENGINES[engine])
+    runner, ids, positions, meta = decode_step(llm)
+    model = runner.model
+    assert model.fused_decode.head is not None
+    hidden, logits = model(ids, positions, runner.kv_caches, meta, with_logits=True)
+    assert logits.shape == (len(CONTEXTS), model.config.vocab_size)
+    torch.testing.assert_close(logits, model.compute_logits(hidden), rtol=0, atol=0)
+    model.fused_decode.head = None
+    hidden2, none = model(ids, positions, runner.kv_caches, meta, with_logits=True)
+    assert none is None
+    torch.testing.assert_close(hidden2, hidden)
+
+
 @pytest.mark.slow  # seconds of its own: the default run stays short
 def test_enforce_eager_and_layer_hooks_turn_it_off_and_tokens_do_not_change(tiny_models):
     prompts = [[5, 6, 7, 8, 9] * 6, [10, 11, 12], list(range(20, 60))]
