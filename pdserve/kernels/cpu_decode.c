@@ -134,14 +134,48 @@ static int pd_decode_layer(const pd_layer_t *L, const pd_step_t *S, float *x) {
     return 0;
 }
 
+/* The index of the largest of x[0 .. n), the first of equals: torch.argmax's answer, where a
+ * NaN counts as the largest (the first NaN). */
+static int64_t argmax_row(const float *x, int64_t n) {
+    vf top = splat(-INFINITY);
+    vi nan = {0};
+    int64_t i = 0;
+    for (; i + V <= n; i += V) {
+        const vf v = load_f(x + i);
+        const vi gt = v > top;
+        nan |= v != v;
+        top = (vf)(((vi)v & gt) | ((vi)top & ~gt));
+    }
+    float best = -INFINITY;
+    int any_nan = 0;
+    for (int j = 0; j < V; j++) {
+        best = top[j] > best ? top[j] : best;
+        any_nan |= nan[j] != 0;
+    }
+    for (; i < n; i++) {
+        any_nan |= x[i] != x[i];
+        best = x[i] > best ? x[i] : best;
+    }
+    for (i = 0; i < n; i++)
+        if (any_nan ? x[i] != x[i] : x[i] == best) return i;
+    return 0; /* every value -inf */
+}
+
+/* out[r] = the argmax of row r of x[m, n] (as the fused step takes it; for the tests). */
+int pd_argmax_rows(const float *x, int64_t m, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < m; r++) out[r] = argmax_row(x + r * n, n);
+    return 0;
+}
+
 /* The step's `n` layers in order, then out = rmsnorm(x) * norm (the model's final norm) and,
- * with a head, logits[nd, head->n] = out @ head^T: the whole forward of a decode step in one
- * call. Returning to Python between the layers and the head cost ~0.3 ms a step on an Intel
- * Xeon (the interpreter's state is cold after the layers' weights streamed), 1.5% of a
- * float32 step of llama-125m and more of a quantized one. */
+ * with a head, logits[nd, head->n] = out @ head^T, and with `tokens` each row's argmax (its
+ * greedy token): the whole forward of a decode step in one call. Returning to Python between
+ * the layers and the head cost ~0.3 ms a step on an Intel Xeon (the interpreter's state is
+ * cold after the layers' weights streamed), 1.5% of a float32 step of llama-125m and more of
+ * a quantized one; torch's argmax on those cold caches another ~0.1 ms. */
 int pd_decode_step(const pd_layer_t *layers, int64_t n, const pd_step_t *S, float *x,
                    const float *norm, float eps, float *out, const pd_linear_t *head,
-                   float *logits) {
+                   float *logits, int64_t *tokens) {
     for (int64_t i = 0; i < n; i++) {
         int rc = pd_decode_layer(&layers[i], S, x);
         if (rc) return rc;
@@ -151,7 +185,10 @@ int pd_decode_step(const pd_layer_t *layers, int64_t n, const pd_step_t *S, floa
         rmsnorm_row(x + t * hid, norm, hid, eps, out + t * hid);
     if (head && n) {
         if (head->k != hid) return -2;
-        return linear(head, out, S->nd, logits);
+        int rc = linear(head, out, S->nd, logits);
+        for (int64_t t = 0; t < S->nd && tokens && !rc; t++)
+            tokens[t] = argmax_row(logits + t * head->n, head->n);
+        return rc;
     }
     return 0;
 }

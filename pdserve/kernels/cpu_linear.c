@@ -82,12 +82,26 @@ static int f32_linear_slabs(const float *x, int64_t M, int64_t K, const float *w
  * 1.19x with a p10 under 1). */
 #define PF_K 64
 
+/* Block b for one activation row: the loop in which batch-1 decode spends its time, in a
+ * function of its own, aligned, so that where it lies in the code does not move with the rest
+ * of the library (on an Intel Xeon, edits elsewhere in the library moved it and the product
+ * chain's speed by 2-3%, with this file unchanged). */
+__attribute__((noinline, aligned(64))) static void f32_row_block(
+    const float *x, int64_t K, const float *w, const float *bias, int64_t b, int64_t N, float *y) {
+    BLOCK_TILES(1, x, K, K, w, bias, b * PANELS, N, y, N, 0, PF_K);
+}
+
 /* w (and bias, if not NULL) hold N rounded up to whole blocks of PANELS panels; y[M, N] gets
  * the first N channels. Returns -1 when out of memory. */
 int pd_f32_linear(const float *x, int64_t M, int64_t K, const float *w, const float *bias,
                   int64_t N, float *y) {
     int64_t blocks = (N + PANELS * PW - 1) / (PANELS * PW);
     if (M > MR && M <= SLAB_ROWS) return f32_linear_slabs(x, M, K, w, bias, N, y, blocks);
+    if (M == 1) {
+#pragma omp parallel for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) f32_row_block(x, K, w, bias, b, N, y);
+        return 0;
+    }
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t m0 = 0; m0 < M; m0 += MR) {

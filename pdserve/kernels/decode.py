@@ -2,9 +2,9 @@
 
 `LayerDesc` holds the pointers and shapes of one decoder layer (filled once, when the model is
 loaded: `pdserve.models.fused_decode`), `StepDesc` those of one step; `decode_step(layers, n,
-step, x, norm, eps, out[, head, logits])` runs the first `n` layers of an array of them on the
-step's tokens (updating `x` in place), the model's final norm into `out` and, given a head's
-`LinearDesc`, the logits, in one call. The descriptors
+step, x, norm, eps, out[, head, logits, tokens])` runs the first `n` layers of an array of them
+on the step's tokens (updating `x` in place), the model's final norm into `out` and, given a
+head's `LinearDesc`, the logits and, given `tokens`, each row's argmax, in one call. The descriptors
 hold raw pointers: whoever fills them keeps the tensors alive.
 """
 
@@ -46,10 +46,12 @@ class StepDesc(ctypes.Structure):
 def _lib() -> ctypes.CDLL:
     lib = library()
     lib.pd_decode_step.argtypes = [ctypes.POINTER(LayerDesc), _I, ctypes.POINTER(StepDesc), _P,
-                                   _P, _F, _P, ctypes.POINTER(LinearDesc), _P]  # fmt: skip
+                                   _P, _F, _P, ctypes.POINTER(LinearDesc), _P, _P]  # fmt: skip
     lib.pd_decode_step.restype = ctypes.c_int
     lib.pd_decode_scratch_floats.argtypes = [ctypes.POINTER(LayerDesc), _I]
     lib.pd_decode_scratch_floats.restype = _I
+    lib.pd_argmax_rows.argtypes = [_P, _I, _I, _P]
+    lib.pd_argmax_rows.restype = ctypes.c_int
     return lib
 
 
@@ -63,21 +65,36 @@ def scratch_floats(layer: LayerDesc, nd: int) -> int:
 
 def decode_step(layers, n: int, step: StepDesc, x: torch.Tensor, norm: torch.Tensor,
                 eps: float, out: torch.Tensor, head: LinearDesc | None = None,
-                logits: torch.Tensor | None = None) -> None:  # fmt: skip
+                logits: torch.Tensor | None = None,
+                tokens: torch.Tensor | None = None) -> None:  # fmt: skip
     """The first `n` layers of `layers` (a ctypes array of `LayerDesc`) on x [nd, hidden]
     (updated in place), then out[nd, hidden] = rmsnorm(x) * norm and, with `head`,
-    logits[nd, head.n] = out @ W^T."""
+    logits[nd, head.n] = out @ W^T, and with `tokens` (int64 [nd]) each row's argmax."""
     if not 0 < n <= len(layers):
         raise ValueError(f"decode_step: {n} layers of {len(layers)}")
-    if (head is None) != (logits is None):
-        raise ValueError("decode_step: a head needs its logits tensor, and only it")
+    nd = x.shape[0]
+    if (head is None) != (logits is None) or (tokens is not None and head is None):
+        raise ValueError("decode_step: a head needs its logits tensor, tokens need a head")
     if logits is not None and (logits.dtype != torch.float32 or not logits.is_contiguous()
-                               or tuple(logits.shape) != (x.shape[0], head.n)):  # fmt: skip
-        raise ValueError(f"decode_step: logits must be float32 [{x.shape[0]}, {head.n}]")
+                               or tuple(logits.shape) != (nd, head.n)):  # fmt: skip
+        raise ValueError(f"decode_step: logits must be float32 [{nd}, {head.n}]")
+    if tokens is not None and (tokens.dtype != torch.int64 or tuple(tokens.shape) != (nd,)):
+        raise ValueError(f"decode_step: tokens must be int64 [{nd}]")
     rc = _lib().pd_decode_step(layers, n, ctypes.byref(step), x.data_ptr(), norm.data_ptr(),
                                eps, out.data_ptr(), None if head is None else ctypes.byref(head),
-                               None if logits is None else logits.data_ptr())  # fmt: skip
+                               None if logits is None else logits.data_ptr(),
+                               None if tokens is None else tokens.data_ptr())  # fmt: skip
     if rc == -1:
         raise MemoryError("decode_step: no memory for its buffers")
     if rc != 0:
         raise ValueError(f"decode_step: bad layer description (rc {rc})")
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax of x [m, n] (float32) as `decode_step` takes its greedy tokens."""
+    x = x.to(torch.float32).contiguous()
+    if x.dim() != 2:
+        raise ValueError(f"argmax_rows: x must be [m, n], got {tuple(x.shape)}")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _lib().pd_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    return out

@@ -15,6 +15,8 @@ forward hooks on its layers (they need the layer-by-layer path); `--enforce-eage
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -35,6 +37,14 @@ def _linear(module: nn.Module) -> native.LinearDesc | None:
                                  module.in_features, ptr(module.q), ptr(module.scale),
                                  ptr(module.bias))  # fmt: skip
     return None
+
+
+class HeadOutput(NamedTuple):
+    """What a fused decode step's head computed: the logits of every row and, where asked, each
+    row's argmax (its greedy token)."""
+
+    logits: torch.Tensor  # [nd, vocab] float32
+    greedy: list[int] | None
 
 
 class FusedDecode:
@@ -90,10 +100,12 @@ class FusedDecode:
         kv_caches: list[torch.Tensor],  # per layer [2, slots, Hkv, W]; fewer: a draft's first
         meta: AttentionMetadata,
         with_logits: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        greedy: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, HeadOutput | None]:
         """The hidden states [nd, hidden] after the model's final norm; `with_logits`: and the
-        logits [nd, vocab] of every row, computed in the same native call where the head runs
-        on a native kernel (else None: the caller computes them)."""
+        head's output for every row (`greedy`: with each row's argmax), computed in the same
+        native call where the head runs on a native kernel (else None: the caller computes
+        what it needs)."""
         nd = x.shape[0]
         rope = self.model.rope
         # the C side reads int64 indices, the context slots row by row (no copies when they are)
@@ -114,9 +126,14 @@ class FusedDecode:
         norm = self.model.norm
         head = self.head if with_logits else None
         logits = None if head is None else torch.empty(nd, head.n)
+        tokens = torch.empty(nd, dtype=torch.int64) if head is not None and greedy else None
         native.decode_step(self.layers, min(len(self.layers), len(kv_caches)), step, x,
-                           norm.weight, norm.eps, out, head, logits)  # fmt: skip
-        return (out, logits) if with_logits else out
+                           norm.weight, norm.eps, out, head, logits, tokens)  # fmt: skip
+        if not with_logits:
+            return out
+        if head is None:
+            return out, None
+        return out, HeadOutput(logits, None if tokens is None else tokens.tolist())
 
     def _point_at(self, kv_caches: list[torch.Tensor], key: tuple[int, ...]) -> None:
         """Each layer's descriptor at its cache's K and V halves ([2, slots, Hkv, W])."""

@@ -9,6 +9,8 @@ fewer, larger GEMVs; the loader maps the checkpoint's separate tensors into the 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +19,9 @@ from pdserve.config import ModelConfig
 from pdserve.kernels import layer as native_ops
 from pdserve.models.attention import AttentionBackend, AttentionMetadata, PagedSDPABackend
 from pdserve.models.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from pdserve.models.fused_decode import HeadOutput
 
 
 class RMSNorm(nn.Module):
@@ -168,16 +173,18 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         with_logits: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-        """The hidden states [T, hidden], final-normed. `with_logits`: (hidden, the logits of
-        every row) where a fused decode step computes them in the same native call, else
-        (hidden, None), and the caller computes what logits it needs (`compute_logits`)."""
+        greedy: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, HeadOutput | None]:
+        """The hidden states [T, hidden], final-normed. `with_logits`: (hidden, the head's
+        output for every row: the logits and, with `greedy`, each row's argmax) where a fused
+        decode step computes it in the same native call, else (hidden, None), and the caller
+        computes what logits it needs (`compute_logits`)."""
         if self.tp_leader is not None:
             self.tp_leader(input_ids, positions, meta, len(kv_caches))  # fewer: a draft
         x = self.embed_tokens(input_ids)
         hooked = self.layer_hooks_wanted is not None and self.layer_hooks_wanted()
         if self.fused_decode is not None and not meta.prefills and not hooked:
-            return self.fused_decode(x, positions, kv_caches, meta, with_logits)
+            return self.fused_decode(x, positions, kv_caches, meta, with_logits, greedy)
         cos_sin = self.rope.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos_sin, kv_cache, meta, self.rope, self.attn_backend)

@@ -24,7 +24,7 @@ from pdserve.models.kv_quant import KV_CACHE_DTYPES
 from pdserve.models.loader import load_model
 from pdserve.models.quant_linear import quantized_bytes_per_param
 from pdserve.request import Request
-from pdserve.runner.sampler import Sampler, SamplingRow, TokenMasks, is_greedy
+from pdserve.runner.sampler import Sampler, SamplingRow, TokenMasks, is_greedy, plain_greedy
 from pdserve.sched.scheduler import SchedulerOutput
 from pdserve.spec.draft import Drafter
 from pdserve.spec.verify import verify
@@ -424,23 +424,30 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepResult:
         draft_probs = self._draft(plan, block_tables)
         inputs = self.prepare(plan, block_tables)
-        # every row samples (a decode step): its logits in the forward's own call where it can
+        masks = self._grammar_masks(plan)
+        # Every row samples (a decode step): the head runs in the forward's own call where it
+        # can, and where every row is plain greedy so does the argmax (no sampler).
         every_row = bool(inputs.rows) and inputs.logits_indices is None and not inputs.spec_rows
         if every_row:
-            hidden, logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                        inputs.meta, with_logits=True)  # fmt: skip
+            greedy = masks is None and all(map(plain_greedy, inputs.rows))
+            hidden, head = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                      inputs.meta, with_logits=True, greedy=greedy)  # fmt: skip
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-            logits = None
+            head = None
         prompt_logprobs = self._prompt_logprobs(plan, hidden, inputs.first_rows)
         speculated = self._verify(plan, inputs.spec_rows, hidden, draft_probs)
         if not inputs.rows:
             return StepResult([], [], prompt_logprobs, speculated)
-        if logits is None:
+        if head is not None and head.greedy is not None:
+            return StepResult(head.greedy, [None] * len(head.greedy), prompt_logprobs, speculated)
+        if head is not None:
+            logits = head.logits
+        else:
             if inputs.logits_indices is not None:
                 hidden = hidden[inputs.logits_indices]
             logits = self.model.compute_logits(hidden)
-        out = self.sampler(logits, inputs.rows, self._grammar_masks(plan))
+        out = self.sampler(logits, inputs.rows, masks)
         return StepResult(out.token_ids, out.logprobs, prompt_logprobs, speculated)
 
     def _draft(

@@ -54,7 +54,7 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.greedy or params.temperature < _MIN_TEMPERATURE
 
 
-def _plain_greedy(row: SamplingRow) -> bool:
+def plain_greedy(row: SamplingRow) -> bool:
     """Whether the row's token is the argmax of its raw logits: greedy, no logprobs, no
     penalties, and past min_tokens (no ban on its stop tokens)."""
     params = row.params
@@ -90,7 +90,7 @@ class Sampler:
             raise ValueError(
                 f"logits of shape {tuple(logits.shape)} do not match {len(rows)} sampling rows"
             )
-        if masks is None and all(map(_plain_greedy, rows)):
+        if masks is None and all(map(plain_greedy, rows)):
             # the common decode step: few Python calls, since each runs with cold caches
             # after the weights streamed (docs/PERFORMANCE.md, "Decode at the roofline")
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
@@ -119,7 +119,7 @@ class Sampler:
     ) -> torch.Tensor:
         """`raw_logits` ([num_rows, vocab] float32) after each row's penalties, min_tokens ban
         and grammar mask: `raw_logits` itself where no row has any, else a new tensor. A
-        constraint added here belongs in `_plain_greedy` too (the rows that skip this)."""
+        constraint added here belongs in `plain_greedy` too (the rows that skip this)."""
         penalty_rows = [i for i, r in enumerate(rows) if has_penalties(r.params)]
         # A grammar decides when its row may end: min_tokens does not ban EOS there.
         constrained = set(masks.row_indices) if masks is not None else set()

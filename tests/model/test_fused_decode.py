@@ -96,21 +96,48 @@ def test_fused_step_matches_the_modules(arch, engine, tiny_models):
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
-def test_the_fused_step_computes_the_heads_logits_in_the_same_call(engine, tiny_models):
+def test_the_fused_step_computes_the_heads_logits_and_argmax_in_the_same_call(engine, tiny_models):
     """A decode step asked for its logits gets them from the fused call (the head on its native
-    kernel), equal to the head run apart on the same hidden states; without a native head the
-    caller is told to compute them (None)."""
+    kernel), equal to the head run apart on the same hidden states, and asked for its greedy
+    tokens, torch's argmax of them; without a native head the caller is told to compute them
+    (None)."""
     llm = LLM(tiny_models["llama"], block_size=BLOCK, num_kv_blocks=64, **ENGINES[engine])
     runner, ids, positions, meta = decode_step(llm)
     model = runner.model
     assert model.fused_decode.head is not None
-    hidden, logits = model(ids, positions, runner.kv_caches, meta, with_logits=True)
-    assert logits.shape == (len(CONTEXTS), model.config.vocab_size)
-    torch.testing.assert_close(logits, model.compute_logits(hidden), rtol=0, atol=0)
+    hidden, head = model(ids, positions, runner.kv_caches, meta, with_logits=True, greedy=True)
+    assert head.logits.shape == (len(CONTEXTS), model.config.vocab_size)
+    torch.testing.assert_close(head.logits, model.compute_logits(hidden), rtol=0, atol=0)
+    assert head.greedy == head.logits.argmax(dim=-1).tolist()
+    _, plain = model(ids, positions, runner.kv_caches, meta, with_logits=True)
+    assert plain.greedy is None and torch.equal(plain.logits, head.logits)
     model.fused_decode.head = None
-    hidden2, none = model(ids, positions, runner.kv_caches, meta, with_logits=True)
+    hidden2, none = model(ids, positions, runner.kv_caches, meta, with_logits=True, greedy=True)
     assert none is None
     torch.testing.assert_close(hidden2, hidden)
+
+
+def test_the_native_argmax_is_torchs_on_ties_infinities_and_nans():
+    """The fused step's argmax picks what torch.argmax picks: the first of equal maxima, and a
+    NaN over any number (the first NaN), wherever they sit: vector lanes and the tail."""
+    from pdserve.kernels.decode import argmax_rows
+
+    vocab = 32003  # not a multiple of any vector width: a scalar tail
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for where in (0, 1, 15, 16, 17, vocab // 2, vocab - 2, vocab - 1):
+        row = torch.randn(vocab, generator=g)
+        row[where] = 50.0
+        rows.append(row.clone())
+        row[vocab - 1 - where // 2] = 50.0  # a tie, after it or before it
+        rows.append(row.clone())
+        row[where // 3 + 1] = float("nan")
+        row[vocab - 1] = float("nan")
+        rows.append(row.clone())
+    rows.append(torch.full((vocab,), float("-inf")))
+    rows.append(torch.full((vocab,), 3.0))
+    x = torch.stack(rows)
+    assert argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
 
 
 @pytest.mark.slow  # seconds of its own: the default run stays short
