@@ -202,8 +202,8 @@ def paired_decode(
         if model.fused_decode is None:
             raise ValueError("paired_decode(split=True) needs the fused decode step")
         fused_head = model.fused_decode.head is not None
-        if fused_head:  # one call: the layers and the head
-            bufs = {"forward": buf}
+        if fused_head:  # one call: the layers and the head, paired with the step's own read
+            bufs = {"forward": None}
         else:  # the head's share of the step's bytes, as the step's statistics count it
             runner, cfg = engine.core.runner, model.config
             per_param = runner.matmul_bytes_per_param or model.norm.weight.element_size()
@@ -224,7 +224,7 @@ def paired_decode(
         if not fused_head:
             model.compute_logits = timing("head", logits)
     steps, fractions = [], []
-    split_rows: list[tuple[float, float, float]] = []  # host s, layers and head of the read
+    split_rows: list[dict[str, float]] = []  # host s, and each call's fraction of its read
     try:
         engine.add_request("paired", prompt, greedy(new_tokens))
         engine.step()  # the prompt
@@ -234,11 +234,14 @@ def paired_decode(
             read_s = min(timed(read, buf), timed(read, buf))
             steps.append(step_s)
             fractions.append(read_s / step_s)
-            if split and len(parts) == len(bufs):
+            if split and len(parts) == len(bufs) and fused_head:
+                reads = {"forward": read_s}
+            elif split and len(parts) == len(bufs):
                 # in turn, so that the head's buffer (a quantized head's fits in a large L3)
                 # comes from memory as the head's weights do, not from the cache
                 times = [(k, timed(read, b)) for _ in range(2) for k, b in bufs.items()]
                 reads = {k: min(t for name, t in times if name == k) for k in bufs}
+            if split and len(parts) == len(bufs):
                 split_rows.append({"host_s": step_s - sum(parts.values()),
                                    **{f"{k}_of_read": reads[k] / parts[k] for k in bufs}})  # fmt: skip
     finally:
