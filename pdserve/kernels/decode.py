@@ -4,8 +4,8 @@
 loaded: `pdserve.models.fused_decode`), `StepDesc` those of one step; `decode_step(layers, n,
 step, x, norm, eps, out[, head, logits, tokens])` runs the first `n` layers of an array of them
 on the step's tokens (updating `x` in place), the model's final norm into `out` and, given a
-head's `LinearDesc`, the logits and, given `tokens`, each row's argmax, in one call. The descriptors
-hold raw pointers: whoever fills them keeps the tensors alive.
+head's `LinearDesc`, the logits and, given `tokens`, each row's argmax, in one call. The
+descriptors hold raw pointers: whoever fills them keeps the tensors alive.
 """
 
 from __future__ import annotations
