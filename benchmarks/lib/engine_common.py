@@ -234,14 +234,14 @@ def paired_decode(
             read_s = min(timed(read, buf), timed(read, buf))
             steps.append(step_s)
             fractions.append(read_s / step_s)
-            if split and len(parts) == len(bufs) and fused_head:
-                reads = {"forward": read_s}
-            elif split and len(parts) == len(bufs):
-                # in turn, so that the head's buffer (a quantized head's fits in a large L3)
-                # comes from memory as the head's weights do, not from the cache
-                times = [(k, timed(read, b)) for _ in range(2) for k, b in bufs.items()]
-                reads = {k: min(t for name, t in times if name == k) for k in bufs}
             if split and len(parts) == len(bufs):
+                if fused_head:  # the forward reads the step's bytes: the step's own read
+                    reads = {"forward": read_s}
+                else:
+                    # in turn, so that the head's buffer (a quantized head's fits in a large
+                    # L3) comes from memory as the head's weights do, not from the cache
+                    times = [(k, timed(read, b)) for _ in range(2) for k, b in bufs.items()]
+                    reads = {k: min(t for name, t in times if name == k) for k in bufs}
                 split_rows.append({"host_s": step_s - sum(parts.values()),
                                    **{f"{k}_of_read": reads[k] / parts[k] for k in bufs}})  # fmt: skip
     finally:

@@ -425,9 +425,10 @@ class ModelRunner:
         draft_probs = self._draft(plan, block_tables)
         inputs = self.prepare(plan, block_tables)
         masks = self._grammar_masks(plan)
-        # Every row samples (a decode step): the head runs in the forward's own call where it
-        # can, and where every row is plain greedy so does the argmax (no sampler).
-        every_row = bool(inputs.rows) and inputs.logits_indices is None and not inputs.spec_rows
+        # Every row samples (a decode step; a verifying request's rows never all do): the head
+        # runs in the forward's own call where it can, and where every row is plain greedy so
+        # does the argmax (no sampler).
+        every_row = bool(inputs.rows) and inputs.logits_indices is None
         if every_row:
             greedy = masks is None and all(map(plain_greedy, inputs.rows))
             hidden, head = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
