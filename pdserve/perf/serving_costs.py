@@ -118,11 +118,7 @@ def measure_serving_costs(
     tokens = sum(r.num_output_tokens for r in records if r.status == "completed")
     if tokens == 0:
         raise RuntimeError(f"the calibration requests failed; see {log_path}")
-    outside = [
-        r.ttft - r.server_timings["ttft_ms"] / 1e3
-        for r in records
-        if r.ttft is not None and r.server_timings and r.server_timings.get("ttft_ms") is not None
-    ]
+    outside, alone_outside = _outside(records), _outside(sequential)
     frontend_cpu = window.increase("process_cpu_seconds_total") / tokens
     client_cpu = client_cpu / tokens
     calibration = served_steps(sequential, in_process)
@@ -135,6 +131,10 @@ def measure_serving_costs(
         frontend_cpu_per_token_s=frontend_cpu,
         client_cpu_per_token_s=client_cpu,
         frontend_latency_s=max(statistics.median(outside), 0.0) if outside else 0.0,
+        frontend_latency_alone_s=max(statistics.median(alone_outside), 0.0)
+        if alone_outside
+        else None,
+        latency_streams=CONCURRENCY,
         **factors,
         calibration_steps=calibration,
     )
@@ -148,7 +148,8 @@ def measure_serving_costs(
     log(
         f"serving on {len(cpus)} CPUs: frontend {costs.frontend_cpu_per_token_s * 1e3:.2f} ms and "
         f"client {costs.client_cpu_per_token_s * 1e3:.2f} ms of CPU per output token, "
-        f"{costs.frontend_latency_s * 1e3:.1f} ms of TTFT outside the engine; a served step "
+        f"{costs.frontend_latency_s * 1e3:.1f} ms of TTFT outside the engine at {CONCURRENCY} "
+        f"streams ({(costs.frontend_latency_alone_s or 0) * 1e3:.1f} ms alone); a served step "
         f"takes x{costs.decode_step_factor:.2f} (decode) and "
         f"{costs.prefill_step_overhead_s * 1e3:.1f} ms + x{costs.prefill_step_factor:.2f} (prompt) "
         "the in-process one"
@@ -159,6 +160,15 @@ def measure_serving_costs(
         )
     )
     return costs
+
+
+def _outside(records) -> list[float]:
+    """Each request's time outside the engine: the client's TTFT less the server's own."""
+    return [
+        r.ttft - r.server_timings["ttft_ms"] / 1e3
+        for r in records
+        if r.ttft is not None and r.server_timings and r.server_timings.get("ttft_ms") is not None
+    ]
 
 
 def _measure_part(

@@ -6,11 +6,13 @@ one chunk from an empty context (16 to 2048 tokens), a long prompt in chunks (co
 to 2048), decode batches of 1 to 32 sequences at short and long contexts and of mixed contexts
 (one long among short ones: decode attention pads to the longest), decodes sharing their steps
 with prefill chunks (mixed steps) and with whole prompts of 640 and 1,536 tokens (an unchunked
-deployment's mixed steps), and serving's steady state (requests of spread lengths arriving
+deployment's mixed steps), prompts that find all but a few of their tokens in the prefix cache
+(alone and beside decodes), and serving's steady state (requests of spread lengths arriving
 every few steps while others decode). Every step's shape (`StepShape`, taken from the
 scheduler's plan) and wall time (`EngineCore.step`: schedule, forward, sample, update) is
 recorded, and a `SplitStepModel` (decode-only steps fitted apart, wide decode batches apart
-again where that fits them better) per thread count; the fit's error on the measured steps is
+again where that fits them better) per thread count, with what an idle stretch adds to the step
+after it (`measure_wake`: the cores' clocks, sleeping threads and cold caches); the fit's error on the measured steps is
 printed and kept in the profile's notes, and the steps themselves in the profile, so that a
 later fit can use them again (`pdserve profile --refit`). KV transfers: `shm` is a copy into shared
 memory, so its rate is this machine's measured copy bandwidth; `tcp` is measured by sending
@@ -39,13 +41,15 @@ from pdserve.config import EngineArgs
 from pdserve.engine.core import EngineCore
 from pdserve.perf.cost import ModelShape
 from pdserve.perf.hardware import cpu_model
-from pdserve.planner.profile import Anchor, Profile, TransferModel
+from pdserve.planner.profile import Anchor, Profile, TransferModel, WakeCost
 from pdserve.planner.step_model import SplitStepModel, StepModel, StepShape
 from pdserve.types import SamplingParams
 
 Sample = tuple[StepShape, float]
 STEADY_REQUESTS = 40  # the steady-state scenario: a request arrives every STEADY_GAP_STEPS steps
 STEADY_GAP_STEPS = 4
+WAKE_IDLE_S = (0.1, 0.5, 2.0)  # `measure_wake`: idle stretches before a timed step
+WAKE_REPEATS = 6
 
 
 def measure_profile(
@@ -59,7 +63,7 @@ def measure_profile(
     """Measure and fit a profile for each thread count in `threads` (`split_decode`: see
     `SplitStepModel.fit`)."""
     allowed = sorted(os.sched_getaffinity(0))
-    models, notes, kept = {}, [], {}
+    models, notes, kept, wake = {}, [], {}, {}
     shape = ModelShape.from_hf_config(_hf_config(args.model))
     kv_bytes_per_token = 0
     for n in threads:
@@ -70,6 +74,7 @@ def measure_profile(
             core = EngineCore(dataclasses.replace(args, num_threads=n))
             kv_bytes_per_token = core.runner.kv_bytes_per_block // core.runner.block_size
             samples = run_scenarios(core, repeats, log=lambda m, n=n: log(f"[{n} thread(s)] {m}"))
+            wake[n] = measure_wake(core)
         finally:
             os.sched_setaffinity(0, allowed)
         model = SplitStepModel.fit(
@@ -83,7 +88,8 @@ def measure_profile(
         )
         note = (
             f"{n} thread(s) on CPUs {allowed[:n]}: {len(samples)} steps, fit error "
-            f"median {err[0]:.1%}, p90 {err[1]:.1%}{wide}"
+            f"median {err[0]:.1%}, p90 {err[1]:.1%}{wide}; the first step after "
+            + ", ".join(f"{g:g} s idle +{x * 1e3:.1f} ms" for g, x in wake[n].points)
         )
         notes.append(note)
         log(note)
@@ -102,6 +108,7 @@ def measure_profile(
         transfers=transfers,
         notes=notes,
         samples=kept,
+        wake=wake,
     )
 
 
@@ -114,13 +121,17 @@ class Driver:
         self.samples: list[Sample] = []
         self._counter = iter(range(10**9))
 
-    def add(self, n_prompt: int, max_tokens: int) -> None:
+    def add(self, n_prompt: int, max_tokens: int, prefix: Sequence[int] = ()) -> list[int]:
+        """A request of `n_prompt` tokens: `prefix`, then random ones. Returns its prompt."""
         core = self.core
         n_prompt = min(n_prompt, core.max_model_len - 64)
-        tokens = [self.rng.randrange(3, core.model_config.vocab_size) for _ in range(n_prompt)]
+        vocab = core.model_config.vocab_size
+        tokens = list(prefix[:n_prompt])
+        tokens += [self.rng.randrange(3, vocab) for _ in range(n_prompt - len(tokens))]
         max_tokens = min(max_tokens, core.max_model_len - len(tokens))  # a small model's context
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         core.add_request(core.make_request(f"p{next(self._counter)}", tokens, params))
+        return tokens
 
     def run(self, budget: int, chunk: int = 0, until=None) -> None:
         sched = self.core.scheduler
@@ -145,12 +156,59 @@ class Driver:
             self.add(n, 1)
         self.run(budget, chunk)
 
+    def prefix_hits(self, contexts: Sequence[int], new: Sequence[int], batch: int = 0) -> None:
+        """Prompts that find most of themselves in the prefix cache, as a conversation's next
+        turn or a shared system prompt does: for each context length, a prompt of that many
+        tokens is prefilled, then prompts that repeat it and add `new` tokens each (0: the same
+        prompt again, whose last token is computed again) are prefilled one at a time, beside
+        `batch` decodes. Steps that compute a few tokens over a long cached context."""
+        sched = self.core.scheduler
+        for _ in range(batch):
+            self.add(128, 40 + 2 * len(contexts) * len(new))
+        self.run(8192, until=lambda: not sched.waiting
+                 and all(r.num_output_tokens > 0 for r in sched.running))  # fmt: skip
+        for ctx in contexts:
+            base = self.add(ctx, 1)
+            self.run(8192, until=lambda: not sched.waiting)
+            for n in new:
+                self.add(ctx + n, 1, prefix=base)
+                self.run(8192, until=lambda: not sched.waiting)
+        self.run(8192)
+
     def warm_up(self) -> None:
         """Kernels built and caches touched; nothing kept."""
         self.run(256)
         self.add(64, 4)
         self.run(256)
         self.samples.clear()
+
+
+def measure_wake(
+    core: EngineCore, idle_s: Sequence[float] = WAKE_IDLE_S, repeats: int = WAKE_REPEATS
+) -> WakeCost:
+    """What an idle stretch adds to the step after it: the same step (ten prompt tokens over a
+    cached context of 288, as a conversation's next turn) timed right after a few busy steps
+    and after each of `idle_s` idle, `repeats` times each in a shuffled order; the extra is the
+    median's over the step right after others, never less for a longer stretch."""
+    driver = Driver(core, seed=2)
+    base = driver.add(288, 1)
+    driver.run(8192)
+    gaps = [0.0, *idle_s] * repeats
+    random.Random(2).shuffle(gaps)
+    times: dict[float, list[float]] = {g: [] for g in gaps}
+    for gap in gaps:
+        driver.add(128, 8)  # the cores busy: a prompt and its decodes
+        driver.run(8192)
+        time.sleep(gap)
+        start = len(driver.samples)
+        driver.add(298, 1, prefix=base)
+        driver.run(8192)
+        times[gap].append(driver.samples[start][1])
+    warm, points, most = statistics.median(times[0.0]), [], 0.0
+    for gap in sorted(idle_s):
+        most = max(most, statistics.median(times[gap]) - warm)
+        points.append((gap, most))
+    return WakeCost(tuple(points))
 
 
 def profile_description(args: EngineArgs) -> str:
@@ -248,6 +306,10 @@ def run_scenarios(core: EngineCore, repeats: int, log=print) -> list[Sample]:
         for batch in (4, 16):
             driver.beside_decodes(batch, (768, 384), 256 + batch, 256)
             driver.beside_decodes(batch, (1536, 640), 4096)
+        # prompts that hit the prefix cache (a conversation's next turn): a few tokens computed
+        # over a long cached context, alone and beside decodes
+        for batch in (0, 4):
+            driver.prefix_hits((128, 512, 1024), (0, 8, 32), batch)
         # serving's steady state: requests of spread lengths arriving while others decode, so
         # decode batches hold contexts of every length over a cache that has seen turnover
         for _ in range(STEADY_REQUESTS):

@@ -71,6 +71,21 @@ class ServingCosts:
     part_decode_step_factor: float | None = None
     part_cpus: int = 0
     part_calibration_steps: list = field(default_factory=list)
+    # the time outside the engine of a request served alone (the calibration's requests sent
+    # one at a time), and how many streams the loaded figure (`frontend_latency_s`) had in
+    # flight; None where not measured (then `frontend_latency_s` at every load)
+    frontend_latency_alone_s: float | None = None
+    latency_streams: int = 0
+
+    def latency(self, in_flight: int) -> float:
+        """The time a token spends outside the engine with `in_flight` requests streaming: the
+        alone figure for one, the loaded one at `latency_streams` and past it, the line between
+        them in between (the frontend's and the client's event loops serve every stream)."""
+        alone, streams = self.frontend_latency_alone_s, self.latency_streams
+        if alone is None or streams <= 1:
+            return self.frontend_latency_s
+        share = min(1.0, max(0, in_flight - 1) / (streams - 1))
+        return alone + (self.frontend_latency_s - alone) * share
 
     def decode_factor(self, worker_cpus: int) -> float:
         """The served-step factor of a decode step on a worker of `worker_cpus` CPUs."""
@@ -106,6 +121,26 @@ class Anchor:
         return cls(decode, prefill, steps, when)
 
 
+@dataclass(frozen=True)
+class WakeCost:
+    """How much longer a worker's first step after an idle stretch takes than the same step
+    right after another: the cores' clocks, sleeping threads and cold caches. `points`:
+    [idle seconds, extra seconds] measured (`perf.step_profile.measure_wake`), by idle time; a
+    stretch between two points takes the line between them, one past the last the last's
+    (a 2-core Zen 4 took 25.6 ms for a step right after another, 38.6 ms at the median after
+    2 s idle, up to 79 ms)."""
+
+    points: tuple[tuple[float, float], ...]
+
+    def extra(self, idle_s: float) -> float:
+        x0, y0 = 0.0, 0.0
+        for x1, y1 in self.points:
+            if idle_s <= x1:
+                return y0 + (y1 - y0) * (idle_s - x0) / (x1 - x0) if x1 > x0 else y1
+            x0, y0 = x1, y1
+        return y0
+
+
 @dataclass
 class Profile:
     kind: str  # "measured" (on this machine) or "analytic" (datasheet peaks, efficiency factors)
@@ -121,6 +156,14 @@ class Profile:
     samples: dict[int, list] = field(default_factory=dict)
     # measured profiles anchored later (`Anchor`), by worker size: the step models scale by them
     anchors: dict[int, Anchor] = field(default_factory=dict)
+    # measured profiles: the first step after an idle stretch, by worker size (older profiles
+    # lack it: no cost)
+    wake: dict[int, WakeCost] = field(default_factory=dict)
+
+    def wake_cost(self, size: int, idle_s: float) -> float:
+        """Seconds a worker of `size` adds to its first step after `idle_s` idle."""
+        wake = self.wake.get(self._nearest(size)) if self.wake else None
+        return wake.extra(idle_s) if wake is not None else 0.0
 
     def step_model(self, size: int) -> StepModel:
         """The model of a worker of `size` threads or devices (the nearest measured size),
@@ -170,6 +213,7 @@ class Profile:
             "serving": None if self.serving is None else asdict(self.serving),
             "samples": {str(k): v for k, v in sorted(self.samples.items())},
             "anchors": {str(k): asdict(a) for k, a in sorted(self.anchors.items())},
+            "wake": {str(k): [list(p) for p in w.points] for k, w in sorted(self.wake.items())},
         }
 
     @classmethod
@@ -185,6 +229,10 @@ class Profile:
             serving=ServingCosts(**d["serving"]) if d.get("serving") else None,
             samples={int(k): v for k, v in d.get("samples", {}).items()},
             anchors={int(k): Anchor(**a) for k, a in d.get("anchors", {}).items()},
+            wake={
+                int(k): WakeCost(tuple((float(x), float(y)) for x, y in points))
+                for k, points in d.get("wake", {}).items()
+            },
         )
 
     def save(self, path: str | Path) -> None:

@@ -20,7 +20,9 @@ takes its measured served/in-process factor (decode-only steps and steps with pr
 each their own) times the step model's time; the CPU the frontend (and a client on the same
 machine, `local_client`) spends per output token is added to the step that emits the token,
 in the worker's share of the CPUs, when the workers occupy every CPU; every token reaches the
-client `frontend_latency_s` after its step. What is not
+client the profile's time outside the engine after its step (measured alone and under load;
+`ServingCosts.latency` by the requests in flight). A worker's first step after an idle stretch
+takes the profile's wake cost on top (`Profile.wake`). What is not
 modelled: message latencies between processes, KV transfer fallbacks and failures,
 preemption's recompute being cheaper than a first prefill (the prefix cache is modelled, so
 recompute hits cached blocks as it does for real).
@@ -76,6 +78,7 @@ class SimWorker:
     plan: SchedulerOutput | None = None
     step_start: float = 0.0
     wake_pending: bool = False
+    idle_since: float = float("-inf")  # when its last step ended (a server idles before a run)
 
     @property
     def busy(self) -> bool:
@@ -145,9 +148,7 @@ class Simulation:
                 worker.predict = lambda shape, w=worker: step_time(w, shape)
             self.workers.append(worker)
         self.num_cpus = sum(w.size for w in self.workers)
-        self.host_cpu_per_token_s, self.frontend_latency_s = _serving_costs(
-            profile, self.num_cpus, local_client
-        )
+        self.host_cpu_per_token_s = _host_cpu_per_token(profile, self.num_cpus, local_client)
         served = profile.serving
         # a served step's own slowdown (its worker's loop, the other processes on its cores),
         # per worker: one on part of the CPUs leaves the frontend room beside it; a replayed
@@ -257,6 +258,8 @@ class Simulation:
         duration = worker.predict(shape) * worker.step_factors[0 if shape.is_decode else 1]
         if not shape.is_decode:
             duration += self.prefill_step_overhead_s
+        if self._step_time is None:  # the first step after an idle stretch: cores to wake
+            duration += self.profile.wake_cost(worker.size, self.now - worker.idle_since)
         # the frontend's work on this step's tokens takes CPU from the worker's cores
         duration += self.host_cpu_per_token_s * num_sampled * worker.size / self.num_cpus
         worker.plan, worker.step_start = plan, self.now
@@ -281,6 +284,7 @@ class Simulation:
 
     def _step_done(self, worker: SimWorker) -> None:
         plan, worker.plan = worker.plan, None
+        worker.idle_since = self.now
         sched = worker.scheduler
         sampled = [TOKEN] * sum(item.sample for item in plan.scheduled)
         outputs = sched.update(plan, sampled)
@@ -330,7 +334,7 @@ class Simulation:
 
     def _tokens(self, live: _Live, n: int) -> None:
         record = live.record
-        seen = self.now + self.frontend_latency_s  # when the client has the token
+        seen = self.now + self._latency()  # when the client has the token
         for _ in range(n):
             record.token_times.append(seen)
         if n and record.t_first is None:
@@ -340,13 +344,18 @@ class Simulation:
 
     def _finish(self, live: _Live) -> None:
         record = live.record
-        record.t_end = self.now + self.frontend_latency_s
+        record.t_end = self.now + self._latency()
         record.status = COMPLETED
         record.completion_tokens = live.num_tokens
         record.cached_tokens = max(max(r.num_cached_tokens, 0) for r in live.requests)
         del self.live[f"r{record.index}"]
         self.finished.append(live)
         self.load.on_finish(record.ttft, record.tpot, f"r{record.index}")
+
+    def _latency(self) -> float:
+        """The time a token spends outside the engine now, with this many requests in flight."""
+        served = self.profile.serving
+        return served.latency(len(self.live)) if served is not None else 0.0
 
     # ---- the P:D controller ------------------------------------------------------------------
     def _view(self) -> list[RoleView]:
@@ -399,18 +408,14 @@ class Simulation:
             w.step_factors = (served.decode_factor(w.size), served.prefill_step_factor)
 
 
-def _serving_costs(profile: Profile, num_cpus: int, local_client: bool) -> tuple[float, float]:
-    """(host CPU seconds per output token that land on the workers' cores, the latency a token
-    has outside the engine), from the profile's measured serving costs. The CPU counts only
-    when the workers occupy every CPU the profile measured on: a spare core takes it."""
+def _host_cpu_per_token(profile: Profile, num_cpus: int, local_client: bool) -> float:
+    """Host CPU seconds per output token that land on the workers' cores, from the profile's
+    measured serving costs. The CPU counts only when the workers occupy every CPU the profile
+    measured on: a spare core takes it."""
     costs = profile.serving
-    if costs is None:
-        return 0.0, 0.0
-    per_token = 0.0
-    if num_cpus >= costs.cpus:
-        per_token = costs.frontend_cpu_per_token_s
-        per_token += costs.client_cpu_per_token_s if local_client else 0.0
-    return per_token, costs.frontend_latency_s
+    if costs is None or num_cpus < costs.cpus:
+        return 0.0
+    return costs.frontend_cpu_per_token_s + (costs.client_cpu_per_token_s if local_client else 0.0)
 
 
 def prompt_ids(spec: RequestSpec, max_model_len: int) -> list[int]:

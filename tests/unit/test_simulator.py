@@ -13,7 +13,7 @@ from pdserve.bench.metrics import COMPLETED, Slo, summarize
 from pdserve.bench.workload import RequestSpec
 from pdserve.config import DisaggConfig, EngineArgs
 from pdserve.perf.cost import ModelShape
-from pdserve.planner.profile import Profile, ServingCosts, TransferModel
+from pdserve.planner.profile import Profile, ServingCosts, TransferModel, WakeCost
 from pdserve.planner.simulator import Simulation, prompt_ids
 from pdserve.planner.step_model import (
     AnalyticStepModel,
@@ -570,3 +570,59 @@ def test_refit_measures_the_anchors_again_against_the_new_models():
     assert new.anchors[1].decode == pytest.approx(1.1, rel=1e-3)
     assert new.anchors[1].prefill == pytest.approx(1.1, rel=1e-3)
     assert new.anchors[1].steps == probe
+
+
+def test_the_wake_cost_follows_the_measured_points_and_stays_at_the_last():
+    wake = WakeCost(((0.1, 0.002), (0.5, 0.004), (2.0, 0.013)))
+    assert wake.extra(0.0) == 0.0
+    assert wake.extra(0.05) == pytest.approx(0.001)
+    assert wake.extra(0.3) == pytest.approx(0.003)
+    assert wake.extra(1.25) == pytest.approx(0.0085)
+    assert wake.extra(2.0) == wake.extra(60.0) == wake.extra(float("inf")) == 0.013
+    profile = dataclasses.replace(PROFILE, wake={2: wake})
+    assert profile.wake_cost(2, 0.3) == profile.wake_cost(3, 0.3) == pytest.approx(0.003)
+    assert PROFILE.wake_cost(2, 5.0) == 0.0  # a profile measured without it
+    assert Profile.from_dict(profile.to_dict()) == profile
+
+
+def test_a_step_after_an_idle_stretch_takes_the_wake_cost_and_the_next_does_not():
+    wake = WakeCost(((0.5, 0.004), (2.0, 0.010)))
+    woken = dataclasses.replace(PROFILE, wake={2: wake})
+
+    # one request at 0 s (its server idled before), one 1 s after the first one ended
+    def run(profile, second_at):
+        sim = Simulation(profile, EngineArgs(model="m"), max_model_len=2048, threads_per_worker=2)
+        return sim.run([RequestSpec(0, 0.0, 64, 4), RequestSpec(1, second_at, 64, 4)])
+
+    base = run(PROFILE, 10.0)
+    end = base.records[0].t_end
+    base, slow = run(PROFILE, end + 1.0), run(woken, end + 1.0)
+    first, second = (s for s in slow.steps if len(s.scheduled) == 1 and s.scheduled[0][1] == 64)
+    by_start = {s.start_s: s.duration_s for s in base.steps}
+    assert first.duration_s == pytest.approx(by_start[first.start_s] + 0.010)  # idle forever
+    idle = second.start_s - max(s.start_s + s.duration_s for s in slow.steps if s != second
+                                and s.start_s < second.start_s)  # fmt: skip
+    assert 0.9 < idle < 1.0  # the first request ended 10 ms later than without the wake
+    assert second.duration_s == pytest.approx(by_start[second.start_s] + wake.extra(idle))
+    assert 0.004 < wake.extra(idle) < 0.010
+    # the steps that follow another pay nothing
+    assert len(base.steps) == len(slow.steps) > 2
+    for a, b in zip(base.steps, slow.steps):
+        if b not in (first, second):
+            assert b.scheduled == a.scheduled and b.duration_s == pytest.approx(a.duration_s)
+
+
+def test_the_time_outside_the_engine_grows_with_the_streams_in_flight():
+    costs = ServingCosts(cpus=2, frontend_cpu_per_token_s=0.0, client_cpu_per_token_s=0.0,
+                         frontend_latency_s=0.016, frontend_latency_alone_s=0.006,
+                         latency_streams=6)  # fmt: skip
+    assert costs.latency(1) == pytest.approx(0.006)
+    assert costs.latency(3) == pytest.approx(0.010)
+    assert costs.latency(6) == costs.latency(40) == pytest.approx(0.016)
+    old = dataclasses.replace(costs, frontend_latency_alone_s=None, latency_streams=0)
+    assert old.latency(1) == old.latency(6) == 0.016  # measured before the alone figure
+    profile = dataclasses.replace(PROFILE, serving=costs)
+    sim = Simulation(profile, EngineArgs(model="m"), max_model_len=2048, threads_per_worker=2)
+    (alone,) = sim.run([RequestSpec(0, 0.0, 64, 4)]).records
+    assert alone.token_times[0] - alone.t_arrive == pytest.approx(sim.steps[0].duration_s + 0.006)
+    assert Profile.from_dict(profile.to_dict()) == profile
