@@ -69,9 +69,15 @@ def test_a_measured_profile_fits_this_machine(stories_path, tmp_path):
     assert 0 < model.predict(one) < model.predict(batch)
     assert 0 < model.predict(short) < model.predict(long)
     assert d["transfers"]["shm"]["bytes_per_s"] > 0
+    # what an idle stretch adds to the step after it, at each measured stretch
+    wake = d["wake"]["1"]
+    assert [g for g, _ in wake] == [0.1, 0.5, 2.0] and all(x >= 0 for _, x in wake)
+    assert "s idle +" in d["notes"][0]
     # the serving costs: the factors, a split server's decode factor where there are two CPUs
     serving = d["serving"]
     assert serving["decode_step_factor"] > 0 and serving["prefill_step_factor"] > 0
+    # the time outside the engine alone and under the load's streams
+    assert serving["frontend_latency_alone_s"] > 0 and serving["latency_streams"] == 6
     if len(os.sched_getaffinity(0)) >= 2:
         assert serving["part_cpus"] >= 1 and serving["part_decode_step_factor"] > 0
         assert any(len(s) == 4 for s in serving["part_calibration_steps"])  # paired in time
@@ -84,6 +90,7 @@ def test_a_measured_profile_fits_this_machine(stories_path, tmp_path):
     assert "steps refitted (no split)" in text
     refitted = json.loads(again.read_text())
     assert refitted["samples"] == d["samples"] and "wide_decode" not in refitted["step_models"]["1"]
+    assert refitted["wake"] == d["wake"]
     assert "refitted, 1 thread(s): fit error" in refitted["notes"][-1]
     # anchored to the machine's speed of the moment by a probe of the same engine
     anchored = tmp_path / "anchored.json"
