@@ -12,9 +12,9 @@ every few steps while others decode). Every step's shape (`StepShape`, taken fro
 scheduler's plan) and wall time (`EngineCore.step`: schedule, forward, sample, update) is
 recorded, and a `SplitStepModel` (decode-only steps fitted apart, wide decode batches apart
 again where that fits them better) per thread count, with what an idle stretch adds to the step
-after it (`measure_wake`: the cores' clocks, sleeping threads and cold caches); the fit's error on the measured steps is
-printed and kept in the profile's notes, and the steps themselves in the profile, so that a
-later fit can use them again (`pdserve profile --refit`). KV transfers: `shm` is a copy into shared
+after it (`measure_wake`: the cores' clocks, sleeping threads and cold caches); the fit's error
+on the measured steps is printed and kept in the profile's notes, and the steps themselves in
+the profile, so that a later fit can use them again (`pdserve profile --refit`). KV transfers: `shm` is a copy into shared
 memory, so its rate is this machine's measured copy bandwidth; `tcp` is measured by sending
 1 MiB frames over a loopback ZMQ socket.
 
