@@ -157,6 +157,7 @@ def head_to_head(
     rounds: int,
     precision: str = "F32",
     split: bool = False,
+    steps: int = 1,
 ) -> dict:
     """Batch-1 decode of the engine at `precision` (F32: the default float32 engine; Q8_0:
     int8 weights; Q4_0 and Q4_1: int4 weights) and llama.cpp's GGUF of that type, where given, alternated
@@ -165,7 +166,9 @@ def head_to_head(
     more than the kernels differ. The engine's decode is also measured step by step, each step
     paired with a read of its own bytes (`paired_decode`): bandwidth that moves within seconds
     cancels there. `split` also pairs the step's native forward (the fused layers and head) with
-    a read of its bytes and reports the host's time per step."""
+    a read of its bytes and reports the host's time per step. `steps` > 1 also measures an
+    engine with `--num-scheduler-steps steps` in every round (which goes first alternates), the
+    same way, and its ratio to the engine of one step per schedule."""
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompt = random_prompts(random.Random(0), [128], vocab)
     engine_args = CONFIGS[GGUF_TYPES[precision]]
@@ -176,23 +179,32 @@ def head_to_head(
         base = LLM(str(model_dir), num_threads=threads, enable_prefix_caching=False)
         base.generate(prompt, greedy(8))
     gguf = gguf_files(llama_cpp, model_dir)[precision] if llama_cpp else None
-    out: dict[str, list] = {"pdserve": [], "llama_cpp": [], "float32": [], "precision": precision}
+    engines = {"pdserve": llm}
+    if steps > 1:
+        engines["bursts"] = LLM(str(model_dir), num_threads=threads, enable_prefix_caching=False,
+                                num_scheduler_steps=steps, **engine_args)  # fmt: skip
+        engines["bursts"].generate(prompt, greedy(8))
+    out: dict = {"pdserve": [], "bursts": [], "llama_cpp": [], "float32": [],
+                 "precision": precision, "num_scheduler_steps": steps}  # fmt: skip
     for r in range(rounds):
-        bw0 = measure_bandwidth(1.5)[0]
-        tok_s, nbytes = decode_rate(llm, prompt, 128)
-        bw1 = measure_bandwidth(1.5)[0]
-        paired = paired_decode(llm, prompt[0], 128, split=split)
-        out["pdserve"].append({"tokens_s": tok_s, "bytes_per_step": nbytes,
-                               "read_bandwidth": max(bw0, bw1),
-                               "roofline_fraction": tok_s * nbytes / max(bw0, bw1),
-                               "paired": paired})  # fmt: skip
-        line = (
-            f"round {r}: pdserve {tok_s:.1f} tok/s ({out['pdserve'][-1]['roofline_fraction']:.0%};"
-            f" paired step by step {paired['tokens_s']:.1f} tok/s at "
-            f"{paired['roofline_fraction']:.0%})"
-        )
-        if sp := paired.get("split"):
-            line += f"; {split_text(sp)}"
+        line = f"round {r}:"
+        for key in list(engines) if r % 2 == 0 else list(engines)[::-1]:
+            bw0 = measure_bandwidth(1.5)[0]
+            tok_s, nbytes = decode_rate(engines[key], prompt, 128)
+            bw1 = measure_bandwidth(1.5)[0]
+            paired = paired_decode(engines[key], prompt[0], 128, split=split)
+            out[key].append({"tokens_s": tok_s, "bytes_per_step": nbytes,
+                             "read_bandwidth": max(bw0, bw1),
+                             "roofline_fraction": tok_s * nbytes / max(bw0, bw1),
+                             "paired": paired})  # fmt: skip
+            name = "pdserve" if key == "pdserve" else f"bursts of {steps}"
+            line += (f" {name} {tok_s:.1f} tok/s ({out[key][-1]['roofline_fraction']:.0%}; paired"
+                     f" step by step {paired['tokens_s']:.1f} tok/s at "
+                     f"{paired['roofline_fraction']:.0%})")  # fmt: skip
+            if sp := paired.get("split"):
+                line += f"; {split_text(sp)}"
+            line += ";"
+        tok_s = out["pdserve"][-1]["tokens_s"]
         if base is not None:
             f32 = decode_rate(base, prompt, 128)[0]
             out["float32"].append({"tokens_s": f32})
@@ -208,24 +220,34 @@ def head_to_head(
                                      "roofline_fraction": ts * nbytes / max(bw1, bw2)})  # fmt: skip
             line += f", llama.cpp {ts:.1f} ({out['llama_cpp'][-1]['roofline_fraction']:.0%})"
         print(line, flush=True)
-    for key in ("pdserve", "llama_cpp"):
+    for key in ("pdserve", "bursts", "llama_cpp"):
         if runs := out[key]:
             fr = [x["roofline_fraction"] for x in runs]
             print(f"{key}: median {statistics.median(x['tokens_s'] for x in runs):.1f} tok/s, "
                   f"median {statistics.median(fr):.0%} of the roofline (range "
                   f"{min(fr):.0%}-{max(fr):.0%})")  # fmt: skip
-    if runs := out["pdserve"]:
+    for key in ("pdserve", "bursts"):
+        if not (runs := out[key]):
+            continue
         fr = [x["paired"]["roofline_fraction"] for x in runs]
-        print(f"pdserve, each step paired with a read of its bytes: median "
+        print(f"{key}, each step paired with a read of its bytes: median "
               f"{statistics.median(x['paired']['tokens_s'] for x in runs):.1f} tok/s, median "
               f"{statistics.median(fr):.0%} of the roofline (rounds {min(fr):.0%}-{max(fr):.0%})")  # fmt: skip
         if splits := [x["paired"]["split"] for x in runs if "split" in x["paired"]]:
             med = {k: statistics.median(sp[k] for sp in splits) for k in splits[0]}
-            print(f"split, median of the rounds: {split_text(med)}")
+            print(f"{key} split, median of the rounds: {split_text(med)}")
     for key, name in (("llama_cpp", "llama.cpp"), ("float32", "pdserve float32")):
         if out[key]:
             ratios = [a["tokens_s"] / b["tokens_s"] for a, b in zip(out["pdserve"], out[key])]
             print(f"pdserve {precision} / {name} per round: "
+                  f"{', '.join(f'{x:.2f}x' for x in ratios)} "
+                  f"(median {statistics.median(ratios):.2f}x)")  # fmt: skip
+    if out["bursts"]:
+        for what in ("tokens_s", "paired"):
+            ratios = [(b[what]["tokens_s"] if what == "paired" else b[what])
+                      / (a[what]["tokens_s"] if what == "paired" else a[what])
+                      for a, b in zip(out["pdserve"], out["bursts"])]  # fmt: skip
+            print(f"bursts of {steps} / one step per schedule per round ({what}): "
                   f"{', '.join(f'{x:.2f}x' for x in ratios)} "
                   f"(median {statistics.median(ratios):.2f}x)")  # fmt: skip
     return out
@@ -273,6 +295,9 @@ def main() -> int:
     p.add_argument("--split", action="store_true",
                    help="with --head-to-head: also pair the step's fused forward (layers and "
                    "head) with a read of its bytes, and report the host's time per step")  # fmt: skip
+    p.add_argument("--num-scheduler-steps", type=int, default=1, metavar="N",
+                   help="with --head-to-head: also measure an engine that runs bursts of N "
+                   "decode steps per schedule, alternated with the one-step engine")  # fmt: skip
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = make_model(args.model_dir or Path("/tmp/pdbench/llama-125m"))
@@ -284,6 +309,7 @@ def main() -> int:
             args.head_to_head,
             args.precision,
             args.split,
+            args.num_scheduler_steps,
         )
         if args.output:
             out.update(machine=machine_info(), code=code_info(), threads=args.threads)

@@ -133,6 +133,29 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def is_greedy(self) -> bool:
+        """Whether the token is the argmax of the (penalized, masked) logits."""
+        return self.greedy or self.temperature < MIN_TEMPERATURE
+
+    def takes_raw_argmax(self, num_output_tokens: int) -> bool:
+        """Whether the next token is the argmax of the raw logits and nothing else is wanted
+        of them: greedy, no logprobs, no penalties, no grammar, and past `min_tokens` (no ban on
+        the stop tokens)."""
+        return (
+            self.is_greedy
+            and self.logprobs is None
+            and self.grammar is None
+            and num_output_tokens >= self.min_tokens
+            and self.repetition_penalty == 1.0
+            and self.frequency_penalty == 0.0
+            and self.presence_penalty == 0.0
+        )
+
+
+# Temperatures below this sample greedily: dividing the logits by them overflows float32.
+MIN_TEMPERATURE = 1e-5
+
 
 # The engine's own bound on top logprobs per token (the server's default limit is lower).
 MAX_LOGPROBS = 1024

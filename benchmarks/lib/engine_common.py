@@ -220,7 +220,11 @@ def paired_decode(
             return call
 
         fused, logits = model.fused_decode, model.compute_logits
-        model.fused_decode = timing("forward" if fused_head else "layers", fused)
+        bursts = engine.core.max_steps > 1
+        if bursts:  # the runner calls the burst on the fused step itself (it needs its head)
+            fused.burst = timing("forward", fused.burst)
+        else:
+            model.fused_decode = timing("forward" if fused_head else "layers", fused)
         if not fused_head:
             model.compute_logits = timing("head", logits)
     steps, fractions = [], []
@@ -230,10 +234,13 @@ def paired_decode(
         engine.step()  # the prompt
         while engine.has_unfinished:
             parts.clear()
+            done = totals["decode"].steps
             step_s = timed(engine.step)
-            read_s = min(timed(read, buf), timed(read, buf))
-            steps.append(step_s)
-            fractions.append(read_s / step_s)
+            # a burst (--num-scheduler-steps) ran k steps: against k reads of a step's bytes
+            k = totals["decode"].steps - done
+            read_s = min(timed(read, buf), timed(read, buf)) * k
+            steps.extend([step_s / k] * k)
+            fractions.extend([read_s / step_s] * k)
             if split and len(parts) == len(bufs):
                 if fused_head:  # the forward reads the step's bytes: the step's own read
                     reads = {"forward": read_s}
@@ -242,11 +249,13 @@ def paired_decode(
                     # L3) comes from memory as the head's weights do, not from the cache
                     times = [(k, timed(read, b)) for _ in range(2) for k, b in bufs.items()]
                     reads = {k: min(t for name, t in times if name == k) for k in bufs}
-                split_rows.append({"host_s": step_s - sum(parts.values()),
-                                   **{f"{k}_of_read": reads[k] / parts[k] for k in bufs}})  # fmt: skip
+                split_rows.append({"host_s": (step_s - sum(parts.values())) / k,
+                                   **{f"{n}_of_read": reads[n] / parts[n] for n in bufs}})  # fmt: skip
     finally:
         if split:
             model.fused_decode = fused
+            if bursts:
+                del fused.burst  # the class's method again
             if not fused_head:
                 del model.compute_logits  # the class's method again
     q = statistics.quantiles(fractions, n=10)

@@ -25,6 +25,7 @@ KV_GROUP = "KV cache"
 SCHEDULER_GROUP = "scheduler"
 SPEC_GROUP = "speculative decoding"
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # when neither --kv-cache-memory nor --num-kv-blocks is given
+MAX_SCHEDULER_STEPS = 64  # the most decode steps one schedule may run (--num-scheduler-steps)
 
 
 def _is_size(value: str | int) -> bool:
@@ -48,6 +49,7 @@ def _is_tier_stack(value: tuple[str, ...]) -> bool:
         return False
 
 
+_STEPS = Check(lambda v: 1 <= v <= MAX_SCHEDULER_STEPS, f"must be in [1, {MAX_SCHEDULER_STEPS}]")
 _TIERS = Check(
     _is_tier_stack,
     "must be cpu:SIZE, disk:PATH:SIZE or both in that order, e.g. cpu:4GiB disk:/var/kv:64GiB",
@@ -78,6 +80,7 @@ class SchedulerConfig:
     priority_aging_s: float  # a waiting request gains one priority level per this wait
     priority_preemption: bool  # an urgent prompt runs alone; it may preempt lax requests
     speculation: SpecConfig | None  # None: one token per decode step
+    num_scheduler_steps: int  # decode steps one schedule may run back to back (a burst)
 
 
 @dataclass(frozen=True)
@@ -203,6 +206,17 @@ class EngineArgs:
         "get no tokens (their streams pause) and that prompt is not held to "
         "--long-prefill-token-threshold, and a waiting urgent request preempts less urgent "
         "running ones for a sequence slot or KV blocks",
+    )
+    num_scheduler_steps: int = setting(
+        1,
+        group=SCHEDULER_GROUP,
+        per_pool=True,
+        metavar="N",
+        help="run up to N decode steps per schedule, in one native call, when every running "
+        "request decodes greedily (no logprobs, penalties or grammar) and nothing waits: the "
+        "host's per-step work is paid once per N tokens, and the tokens reach clients N at a "
+        "time (a request that arrives meanwhile waits for the burst to end)",
+        checks=(_STEPS,),
     )
     speculative_method: str = setting(
         "none",
@@ -363,6 +377,11 @@ class EngineArgs:
                 "invalid speculative_method='draft': give exactly one of draft_model and "
                 "draft_layers"
             )
+        if self.num_scheduler_steps > 1 and self.speculative_method != "none":
+            raise ValueError(
+                f"invalid num_scheduler_steps={self.num_scheduler_steps}: speculative decoding "
+                "already computes several tokens per step; use one or the other"
+            )
         if self.speculative_method != "draft" and drafts:
             raise ValueError(
                 f"invalid speculative_method={self.speculative_method!r}: draft_model and "
@@ -378,6 +397,7 @@ class EngineArgs:
             reserved_kv_fraction=self.reserved_kv_fraction,
             priority_aging_s=self.priority_aging_s,
             priority_preemption=self.priority_preemption,
+            num_scheduler_steps=self.num_scheduler_steps,
             speculation=None
             if self.speculative_method == "none"
             else SpecConfig(

@@ -110,6 +110,7 @@ class EngineCore:
             )
             weakref.finalize(self, tiers.close)
         self.scheduler = Scheduler(sched_config, self.kv)
+        self.max_steps = self._max_steps(sched_config.num_scheduler_steps)
         self.limits = EngineLimits(
             max_len,
             self.model_config.vocab_size,
@@ -123,6 +124,16 @@ class EngineCore:
         self.grammars: GrammarCompiler | None = None  # made for the first such request
         self.compiling: dict[str, tuple[Request, Future]] = {}
         self.connector.attach(self)
+
+    def _max_steps(self, asked: int) -> int:
+        """The longest burst this engine runs: `--num-scheduler-steps` where the runner has a
+        fused decode step with a native head, else 1 (said once, at start)."""
+        fused = self.runner.model.fused_decode
+        if asked > 1 and (fused is None or fused.embed is None):
+            logger.warning("--num-scheduler-steps %d ignored: bursts run on the fused decode "
+                           "step with a native head, which this model does not run", asked)  # fmt: skip
+            return 1
+        return asked
 
     def close(self) -> None:
         """End the follower ranks of a tensor-parallel runner (they end with this process
@@ -202,6 +213,8 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         outputs = self.admit_compiled()
+        # a request whose grammar compiles is waiting too: no burst makes it wait longer
+        self.scheduler.max_steps = 1 if self.compiling else self.max_steps
         plan = self.scheduler.schedule()
         if self.offload is not None:  # blocks out to the tier, and back, before any KV write
             self.offload.sync(self.kv)
@@ -220,7 +233,12 @@ class EngineCore:
         if self.offload is not None and plan.num_decode_tokens == 0:
             self.kv.tier.cost.observe_prefill(plan.num_prefill_tokens, t1 - t0)
         outputs = self.scheduler.update(
-            plan, result.sampled, result.logprobs, result.prompt_logprobs, result.speculated
+            plan,
+            result.sampled,
+            result.logprobs,
+            result.prompt_logprobs,
+            result.speculated,
+            result.bursts,
         )
         self.scheduler.observe_step(plan, t1 - t0)  # after update: it counts the accepted
         step = self.stats.record(plan, t0, t1, self.scheduler.stats())

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class StepStats:
     phase: str  # "prefill" | "decode" | "mixed"
-    step_time_s: float
+    step_time_s: float  # of one forward step (a burst's time over its steps)
     num_prefill_tokens: int
     num_decode_seqs: int
     kv_usage: float
@@ -30,6 +30,7 @@ class StepStats:
     bytes: float
     mfu: float | None
     mbu: float | None
+    num_steps: int = 1  # a burst's decode steps (`--num-scheduler-steps`), each as above
 
 
 @dataclass(slots=True)
@@ -107,16 +108,20 @@ class StepStatsRecorder:
         q_lens = [s.num_new_tokens for s in plan.scheduled]
         ctx_lens = [s.request.num_computed_tokens for s in plan.scheduled]
         num_sampled = sum(1 for s in plan.scheduled if s.sample)
-        cost = step_cost(self.shape, q_lens, ctx_lens, num_sampled)
+        steps = plan.num_steps
+        flops = num_bytes = 0.0
+        for back in range(steps - 1, -1, -1):  # a burst's steps, each context one longer
+            cost = step_cost(self.shape, q_lens, [c - back for c in ctx_lens], num_sampled)
+            flops += cost.flops
+            num_bytes += cost.weight_bytes + cost.kv_read_bytes + cost.kv_write_bytes
         dt = t1 - t0
-        num_bytes = cost.weight_bytes + cost.kv_read_bytes + cost.kv_write_bytes
         if plan.num_prefill_tokens and plan.num_decode_tokens:
             phase = "mixed"
         else:
             phase = "prefill" if plan.num_prefill_tokens else "decode"
         stats = StepStats(
             phase=phase,
-            step_time_s=dt,
+            step_time_s=dt / steps,
             num_prefill_tokens=plan.num_prefill_tokens,
             num_decode_seqs=plan.num_decode_tokens,
             kv_usage=sched.kv_usage,
@@ -125,16 +130,17 @@ class StepStatsRecorder:
             else 0.0,
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
-            flops=cost.flops,
-            bytes=num_bytes,
-            mfu=cost.flops / dt / self.peak_flops if self.peak_flops and dt > 0 else None,
+            flops=flops / steps,
+            bytes=num_bytes / steps,
+            mfu=flops / dt / self.peak_flops if self.peak_flops and dt > 0 else None,
             mbu=num_bytes / dt / self.peak_bytes if self.peak_bytes and dt > 0 else None,
+            num_steps=steps,
         )
         t = self.totals.setdefault(phase, PhaseTotals())
-        t.steps += 1
+        t.steps += steps
         t.time_s += dt
-        t.tokens += plan.num_tokens
-        t.flops += cost.flops
+        t.tokens += plan.num_tokens * steps
+        t.flops += flops
         t.bytes += num_bytes
         self.last = stats
         return stats

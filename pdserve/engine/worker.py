@@ -221,11 +221,10 @@ class Worker:
         s = core.last_step
         if s is prev:  # nothing was computed
             return outputs, []
-        return outputs, [
-            StepStatsMsg(
-                s.phase, s.step_time_s, s.num_prefill_tokens, s.num_decode_seqs, s.mfu, s.mbu
-            )
-        ]
+        msg = StepStatsMsg(
+            s.phase, s.step_time_s, s.num_prefill_tokens, s.num_decode_seqs, s.mfu, s.mbu
+        )
+        return outputs, [msg] * s.num_steps  # a burst: its steps, each as long as their mean
 
     def loop(self) -> None:
         core = self.core

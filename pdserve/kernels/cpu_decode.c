@@ -192,3 +192,25 @@ int pd_decode_step(const pd_layer_t *layers, int64_t n, const pd_step_t *S, floa
     }
     return 0;
 }
+
+/* `steps` decode steps of the same rows in one call (`--num-scheduler-steps`): S[s] describes
+ * step s (its positions, cache slots and context lengths, each one further than step s - 1's),
+ * tokens[s * nd + t] gets row t's greedy token of step s, and that token's embedding (a row of
+ * embed[vocab, hidden]) is the row's input to step s + 1. Between the steps of a burst nothing
+ * returns to Python: the host's work for a step (laying out its inputs, sampling, updating the
+ * requests), slow on caches the weights have just swept, is paid once per burst. */
+int pd_decode_burst(const pd_layer_t *layers, int64_t n, const pd_step_t *S, int64_t steps,
+                    float *x, const float *norm, float eps, float *out, const pd_linear_t *head,
+                    float *logits, int64_t *tokens, const float *embed, int64_t vocab) {
+    if (!n || !head || steps < 1 || head->n > vocab) return -2;
+    const int64_t hid = layers[0].hidden, nd = S[0].nd;
+    for (int64_t s = 0; s < steps; s++) {
+        if (S[s].nd != nd) return -2;
+        for (int64_t t = 0; s && t < nd; t++)
+            memcpy(x + t * hid, embed + tokens[(s - 1) * nd + t] * hid, sizeof(float) * hid);
+        int rc = pd_decode_step(layers, n, &S[s], x, norm, eps, out, head, logits,
+                                tokens + s * nd);
+        if (rc) return rc;
+    }
+    return 0;
+}

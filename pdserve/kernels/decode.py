@@ -4,7 +4,8 @@
 loaded: `pdserve.models.fused_decode`), `StepDesc` those of one step; `decode_step(layers, n,
 step, x, norm, eps, out[, head, logits, tokens])` runs the first `n` layers of an array of them
 on the step's tokens (updating `x` in place), the model's final norm into `out` and, given a
-head's `LinearDesc`, the logits and, given `tokens`, each row's argmax, in one call. The
+head's `LinearDesc`, the logits and, given `tokens`, each row's argmax, in one call;
+`decode_burst` runs several such steps, each row's argmax embedded as its next input. The
 descriptors hold raw pointers: whoever fills them keeps the tensors alive.
 """
 
@@ -50,6 +51,10 @@ def _lib() -> ctypes.CDLL:
     lib.pd_decode_step.restype = ctypes.c_int
     lib.pd_decode_scratch_floats.argtypes = [ctypes.POINTER(LayerDesc), _I]
     lib.pd_decode_scratch_floats.restype = _I
+    lib.pd_decode_burst.argtypes = [ctypes.POINTER(LayerDesc), _I, ctypes.POINTER(StepDesc), _I,
+                                    _P, _P, _F, _P, ctypes.POINTER(LinearDesc), _P, _P, _P,
+                                    _I]  # fmt: skip
+    lib.pd_decode_burst.restype = ctypes.c_int
     lib.pd_argmax_rows.argtypes = [_P, _I, _I, _P]
     lib.pd_argmax_rows.restype = ctypes.c_int
     return lib
@@ -88,6 +93,31 @@ def decode_step(layers, n: int, step: StepDesc, x: torch.Tensor, norm: torch.Ten
         raise MemoryError("decode_step: no memory for its buffers")
     if rc != 0:
         raise ValueError(f"decode_step: bad layer description (rc {rc})")
+
+
+def decode_burst(layers, n: int, steps, x: torch.Tensor, norm: torch.Tensor, eps: float,
+                 out: torch.Tensor, head: LinearDesc, logits: torch.Tensor, tokens: torch.Tensor,
+                 embed: torch.Tensor) -> None:  # fmt: skip
+    """`len(steps)` decode steps (a ctypes array of `StepDesc`, one per step) of the rows of x
+    [nd, hidden] in one call: each step's greedy tokens go to tokens[s] (int64 [steps, nd]) and
+    their rows of `embed` [vocab, hidden] are the next step's x."""
+    if not 0 < n <= len(layers):
+        raise ValueError(f"decode_burst: {n} layers of {len(layers)}")
+    nd, hidden = x.shape
+    if tuple(tokens.shape) != (len(steps), nd) or tokens.dtype != torch.int64:
+        raise ValueError(f"decode_burst: tokens must be int64 [{len(steps)}, {nd}]")
+    if tuple(logits.shape) != (nd, head.n) or logits.dtype != torch.float32:
+        raise ValueError(f"decode_burst: logits must be float32 [{nd}, {head.n}]")
+    if (embed.dtype != torch.float32 or not embed.is_contiguous() or embed.dim() != 2
+            or embed.shape[1] != hidden):  # fmt: skip
+        raise ValueError(f"decode_burst: embed must be float32 [vocab, {hidden}], contiguous")
+    rc = _lib().pd_decode_burst(layers, n, steps, len(steps), x.data_ptr(), norm.data_ptr(),
+                                eps, out.data_ptr(), ctypes.byref(head), logits.data_ptr(),
+                                tokens.data_ptr(), embed.data_ptr(), embed.shape[0])  # fmt: skip
+    if rc == -1:
+        raise MemoryError("decode_burst: no memory for its buffers")
+    if rc != 0:
+        raise ValueError(f"decode_burst: bad layer or step description (rc {rc})")
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -56,6 +57,11 @@ class FusedDecode:
         self.model = model  # keeps every tensor the descriptors point at alive
         self.layers = (native.LayerDesc * len(layers))(*layers)
         self.head = head  # the output head where it runs on a native kernel, else None
+        # the token embeddings a burst feeds each step's greedy tokens back through, where they
+        # are float32 rows in memory and the head runs natively (else no bursts)
+        embed = model.embed_tokens.weight
+        plain = embed.dtype == torch.float32 and embed.device.type == "cpu"
+        self.embed = embed if plain and embed.is_contiguous() and head is not None else None
         self._scratch: torch.Tensor | None = None
         self._cache_key: tuple[int, ...] = ()  # where the caches the descriptors point at lie
 
@@ -134,6 +140,45 @@ class FusedDecode:
         if head is None:
             return out, None
         return out, HeadOutput(logits, None if tokens is None else tokens.tolist())
+
+    @torch.inference_mode()
+    def burst(
+        self,
+        tokens: list[int],  # each row's last token (its KV not yet computed)
+        positions: np.ndarray,  # [nd] int64, those tokens' positions
+        ctx_slots: np.ndarray,  # [nd, >= max(positions) + steps] int64, each row's cache slots
+        steps: int,
+        kv_caches: list[torch.Tensor],
+    ) -> list[list[int]]:
+        """`steps` greedy decode steps of every row in one native call: each row's tokens
+        (`steps` of them), the output of step s the input of step s + 1. The slots of the
+        positions the burst computes must be allocated (`ctx_slots` holds them)."""
+        if self.embed is None:
+            raise ValueError("a burst needs a native head and float32 token embeddings")
+        nd = len(tokens)
+        pos = positions[None, :] + np.arange(steps, dtype=np.int64)[:, None]  # [steps, nd]
+        pos_t = torch.from_numpy(np.ascontiguousarray(pos))
+        new_t = torch.from_numpy(np.ascontiguousarray(ctx_slots[np.arange(nd)[None, :], pos]))
+        lens_t = pos_t + 1
+        ctx = torch.from_numpy(np.ascontiguousarray(ctx_slots, dtype=np.int64))
+        rope, scratch = self.model.rope, self._scratch_for(nd).data_ptr()
+        descs = (native.StepDesc * steps)(*(native.StepDesc(
+            nd=nd, positions=pos_t[s].data_ptr(), new_slots=new_t[s].data_ptr(),
+            ctx_slots=ctx.data_ptr(), slots_stride=ctx.shape[1], lens=lens_t[s].data_ptr(),
+            cos=rope.cos.data_ptr(), sin=rope.sin.data_ptr(), scratch=scratch,
+        ) for s in range(steps)))  # fmt: skip
+        key = tuple(c.data_ptr() for c in kv_caches)
+        if key != self._cache_key:
+            self._point_at(kv_caches, key)
+        x = self.embed[torch.tensor(tokens, dtype=torch.int64)]  # a copy: updated in place
+        out = torch.empty_like(x)
+        logits = torch.empty(nd, self.head.n)
+        sampled = torch.empty(steps, nd, dtype=torch.int64)
+        norm = self.model.norm
+        native.decode_burst(self.layers, min(len(self.layers), len(kv_caches)), descs, x,
+                            norm.weight, norm.eps, out, self.head, logits, sampled,
+                            self.embed)  # fmt: skip
+        return sampled.t().tolist()
 
     def _point_at(self, kv_caches: list[torch.Tensor], key: tuple[int, ...]) -> None:
         """Each layer's descriptor at its cache's K and V halves ([2, slots, Hkv, W])."""

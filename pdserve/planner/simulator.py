@@ -256,12 +256,14 @@ class Simulation:
         num_sampled = sum(item.sample for item in plan.scheduled)
         shape = StepShape.of(q_lens, ctx_lens, num_sampled)
         duration = worker.predict(shape) * worker.step_factors[0 if shape.is_decode else 1]
+        duration *= plan.num_steps  # a burst (--num-scheduler-steps): its decode steps in a row
         if not shape.is_decode:
             duration += self.prefill_step_overhead_s
         if self._step_time is None:  # the first step after an idle stretch: cores to wake
             duration += self.profile.wake_cost(worker.size, self.now - worker.idle_since)
         # the frontend's work on this step's tokens takes CPU from the worker's cores
-        duration += self.host_cpu_per_token_s * num_sampled * worker.size / self.num_cpus
+        duration += (self.host_cpu_per_token_s * num_sampled * plan.num_steps * worker.size
+                     / self.num_cpus)  # fmt: skip
         worker.plan, worker.step_start = plan, self.now
         self.steps.append(
             StepRecord(
@@ -287,8 +289,9 @@ class Simulation:
         worker.idle_since = self.now
         sched = worker.scheduler
         sampled = [TOKEN] * sum(item.sample for item in plan.scheduled)
-        outputs = sched.update(plan, sampled)
-        step_s = self.now - worker.step_start
+        bursts = None if plan.num_steps == 1 else [[TOKEN] * plan.num_steps] * len(sampled)
+        outputs = sched.update(plan, sampled, bursts=bursts)
+        step_s = (self.now - worker.step_start) / plan.num_steps
         if plan.num_decode_tokens:
             self.load.on_decode_step(worker.worker_id, step_s)
         if plan.num_prefill_tokens and worker.role.decodes:

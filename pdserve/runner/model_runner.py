@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -53,6 +53,8 @@ class StepResult:
     prompt_logprobs: dict[str, tuple[int, list[Logprob]]]
     # Requests that verified proposed tokens: what each emits (`pdserve.spec.verify`).
     speculated: dict[str, Verdict] = field(default_factory=dict)
+    # A burst plan (`SchedulerOutput.num_steps` > 1): each request's tokens, one per step run
+    bursts: list[list[int]] | None = None
 
 
 # Prompt logprobs are computed this many positions at a time (a [rows, vocab] logits block each).
@@ -422,6 +424,8 @@ class ModelRunner:
 
     # ---- the step ------------------------------------------------------------------------
     def execute(self, plan: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepResult:
+        if plan.num_steps > 1:
+            return self._burst(plan, block_tables)
         draft_probs = self._draft(plan, block_tables)
         inputs = self.prepare(plan, block_tables)
         masks = self._grammar_masks(plan)
@@ -450,6 +454,26 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
         out = self.sampler(logits, inputs.rows, masks)
         return StepResult(out.token_ids, out.logprobs, prompt_logprobs, speculated)
+
+    def _burst(self, plan: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepResult:
+        """A burst plan's decode steps in one native call (`FusedDecode.burst`); where the
+        fused step cannot run it (no native head, layer hooks wanted this step), one step."""
+        fused = self.model.fused_decode
+        hooked = self.model.layer_hooks_wanted is not None and self.model.layer_hooks_wanted()
+        if fused is None or fused.embed is None or hooked:
+            one = self.execute(replace(plan, num_steps=1), block_tables)
+            return StepResult(one.sampled, one.logprobs, {}, bursts=[[t] for t in one.sampled])
+        items, steps, bs = plan.scheduled, plan.num_steps, self.block_size
+        first = np.fromiter((it.request.num_computed_tokens for it in items), np.int64, len(items))
+        tokens = [it.request.all_token_ids[n] for it, n in zip(items, first.tolist())]
+        width = int(first.max()) + steps  # every position the burst computes
+        table = np.zeros((len(items), -(-width // bs)), dtype=np.int64)
+        for r, it in enumerate(items):
+            ids = block_tables[it.request.request_id][: table.shape[1]]
+            table[r, : len(ids)] = ids
+        slots = (table[:, :, None] * bs + np.arange(bs)).reshape(len(items), -1)[:, :width]
+        bursts = fused.burst(tokens, first, slots, steps, self.kv_caches)
+        return StepResult([b[0] for b in bursts], [None] * len(items), {}, bursts=bursts)
 
     def _draft(
         self, plan: SchedulerOutput, block_tables: dict[str, list[int]]

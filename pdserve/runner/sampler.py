@@ -18,9 +18,6 @@ import torch
 from pdserve.structured.matcher import apply_bitmask
 from pdserve.types import Logprob, SamplingParams
 
-# Temperatures below this are treated as greedy: dividing by them overflows float32.
-_MIN_TEMPERATURE = 1e-5
-
 
 @dataclass(slots=True)
 class SamplingRow:
@@ -51,7 +48,7 @@ class SamplerOutput:
 
 
 def is_greedy(params: SamplingParams) -> bool:
-    return params.greedy or params.temperature < _MIN_TEMPERATURE
+    return params.is_greedy
 
 
 def plain_greedy(row: SamplingRow) -> bool:

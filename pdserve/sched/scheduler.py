@@ -63,8 +63,11 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
+    num_decode_tokens: int = 0  # per step
     num_preempted: int = 0
+    # A burst (`--num-scheduler-steps`): decode steps run back to back, each request's greedy
+    # token the input of its next step; the KV slots of all of them are allocated.
+    num_steps: int = 1
 
     @property
     def is_empty(self) -> bool:
@@ -103,6 +106,8 @@ class Scheduler:
         self.remote = RemoteKV(self)  # the connector's half: requests whose KV crosses workers
         spec = config.speculation
         self.proposer = Proposer(spec, config.max_model_len) if spec is not None else None
+        # the longest burst (1: none); the engine lowers it where its runner cannot run them
+        self.max_steps = config.num_scheduler_steps
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -299,7 +304,40 @@ class Scheduler:
             self.running.append(request)
             self._add(out, request, num_new)
             budget -= num_new
+        if self.max_steps > 1:
+            out.num_steps = self._burst(out)
         return out
+
+    def _burst(self, out: SchedulerOutput) -> int:
+        """How many decode steps the plan runs back to back, with their KV slots allocated.
+
+        A burst runs only when every running request decodes, each takes the raw argmax (no
+        sampler between its steps), and nothing waits (a newcomer's prompt would wait for the
+        burst: at most `max_steps - 1` steps). It ends where the first request reaches its
+        `max_tokens` or the context, so no burst computes past a length limit; a request that
+        stops earlier (EOS, a stop token) leaves the rest of its burst unused. Without blocks
+        for the whole burst it is one step, and nothing is preempted for it."""
+        if out.num_prefill_tokens or out.num_preempted or self.waiting or self.remote.waiting:
+            return 1
+        if len(out.scheduled) != len(self.running):
+            return 1
+        steps = self.max_steps
+        for item in out.scheduled:
+            r = item.request
+            if item.spec_tokens or not item.sample or r.kv_role == KVRole.SEND:
+                return 1
+            if not r.sampling_params.takes_raw_argmax(r.num_output_tokens):
+                return 1
+            left = min(r.max_tokens - r.num_output_tokens, self.config.max_model_len - r.num_tokens)
+            steps = min(steps, left)
+        if steps <= 1:
+            return 1
+        for item in out.scheduled:
+            if not self.kv.allocate_slots(item.request, steps):
+                for done in out.scheduled:  # back to one step: the extra blocks go back
+                    self.kv.trim(done.request, done.request.num_tokens)
+                return 1
+        return steps
 
     def _add(
         self, out: SchedulerOutput, request: Request, num_new: int, spec: list[int] = ()
@@ -328,10 +366,12 @@ class Scheduler:
         logprobs: list[Logprob | None] | None = None,
         prompt_logprobs: dict[str, tuple[int, list[Logprob]]] | None = None,
         speculated: dict[str, Verdict] | None = None,
+        bursts: list[list[int]] | None = None,
     ) -> list[EngineCoreOutput]:
         """Advance the counters by the computed tokens, append sampled tokens (one per sampling
-        request, in plan order; `speculated`: what each request with proposals emits), and
-        finish requests that hit EOS, a stop token or a length."""
+        request, in plan order; `speculated`: what each request with proposals emits; `bursts`:
+        a burst plan's tokens per request, as many as the runner ran of its steps), and finish
+        requests that hit EOS, a stop token or a length."""
         now = self.clock()
         outputs: list[EngineCoreOutput] = []
         for rid, (start, scored) in (prompt_logprobs or {}).items():
@@ -340,6 +380,8 @@ class Scheduler:
                 if request.prompt_logprobs is None:
                     request.prompt_logprobs = [None] * request.num_prompt_tokens
                 request.prompt_logprobs[start : start + len(scored)] = scored
+        if bursts is not None:
+            return self._update_burst(plan, bursts, now)
         k = 0
         for item in plan.scheduled:
             request = item.request
@@ -398,9 +440,34 @@ class Scheduler:
         m.num_spec_steps += 1
         if request.is_finished:  # ended by an abort during the step
             return None
+        out = self._emit(request, emitted, logprobs, now)
+        out.num_spec_proposed, out.num_spec_accepted = m.num_spec_proposed, m.num_spec_accepted
+        out.num_spec_steps = m.num_spec_steps
+        return out
+
+    def _update_burst(
+        self, plan: SchedulerOutput, bursts: list[list[int]], now: float
+    ) -> list[EngineCoreOutput]:
+        """A burst: each request's tokens, checked for a stop one by one (a request that
+        stops leaves the KV of its burst's later positions unused, and frees it with the rest)."""
+        outputs = []
+        for item, tokens in zip(plan.scheduled, bursts, strict=True):
+            request = item.request
+            request.num_computed_tokens += len(tokens)  # its last token and all but the newest
+            if not request.is_finished:  # else ended by an abort during the step
+                outputs.append(self._emit(request, tokens, None, now))
+        return outputs
+
+    def _emit(
+        self, request: Request, tokens: list[int], logprobs: list[Logprob] | None, now: float
+    ) -> EngineCoreOutput:
+        """Append tokens a step made in a row, up to the first that stops the request; the
+        request ends there, else its blocks past what the next step computes (rejected
+        proposals, an unused end of a burst) go back."""
+        m = request.metrics
         out = EngineCoreOutput(request.request_id, [], new_logprobs=[] if logprobs else None)
         status = None
-        for j, token in enumerate(emitted):
+        for j, token in enumerate(tokens):
             request.append_output_token(token)
             m.token_times.append(now)
             out.new_token_ids.append(token)
@@ -410,14 +477,12 @@ class Scheduler:
             if status is not None:
                 break
         out.num_preemptions = m.num_preemptions
-        out.num_spec_proposed, out.num_spec_accepted = m.num_spec_proposed, m.num_spec_accepted
-        out.num_spec_steps = m.num_spec_steps
         if status is not None:
             self.running.remove(request)
             self.finish(request, status)
             out.finish_reason = status.finish_reason
             out.stop_reason = request.stop_reason
-        else:  # blocks past what the next step computes held only rejected proposals
+        else:
             self.kv.trim(request, request.num_tokens)
         return out
 

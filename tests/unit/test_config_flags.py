@@ -47,6 +47,7 @@ SAMPLES = {
         reserved_kv_fraction=0.25,
         priority_aging_s=3.5,
         priority_preemption=True,
+        num_scheduler_steps=4,
         num_threads=3,
         tensor_parallel_size=2,
         hardware_profile="hw.json",
@@ -130,6 +131,7 @@ INVALID = {
     "max_num_batched_tokens": ("0", ">= 1"),
     "max_num_seqs": ("0", ">= 1"),
     "long_prefill_token_threshold": ("-1", ">= 0"),
+    "num_scheduler_steps": ("65", "in [1, 64]"),
     "tensor_parallel_size": ("0", ">= 1"),
 }
 

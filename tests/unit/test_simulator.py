@@ -626,3 +626,22 @@ def test_the_time_outside_the_engine_grows_with_the_streams_in_flight():
     (alone,) = sim.run([RequestSpec(0, 0.0, 64, 4)]).records
     assert alone.token_times[0] - alone.t_arrive == pytest.approx(sim.steps[0].duration_s + 0.006)
     assert Profile.from_dict(profile.to_dict()) == profile
+
+
+def test_bursts_run_several_decode_steps_per_schedule_in_simulated_time():
+    """--num-scheduler-steps: the real scheduler plans bursts, a burst takes its steps' time,
+    and every request still gets all its tokens and returns its blocks."""
+    sim1, one = simulate(threads=2, max_num_batched_tokens=256)
+    sim8, many = simulate(threads=2, max_num_batched_tokens=256, num_scheduler_steps=8)
+    assert all(r.status == COMPLETED for r in many.records)
+    for r, spec in zip(many.records, requests()):
+        assert r.completion_tokens == spec.output_len == len(r.token_times)
+    for w in sim8.workers:
+        w.scheduler.kv.pool.check_whole()
+    # 40 requests 1 s apart, each decoding alone most of the time: far fewer steps
+    assert len(sim8.steps) < len(sim1.steps) / 3
+    # the same steps' time in all, in fewer, longer records; a request's tokens arrive together
+    busy1, busy8 = (sum(s.duration_s for s in sim.steps) for sim in (sim1, sim8))
+    assert busy8 == pytest.approx(busy1, rel=0.05)
+    times = [t for r in many.records for t in r.token_times]
+    assert len(set(times)) < len(times) / 3
