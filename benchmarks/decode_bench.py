@@ -2,6 +2,7 @@
 
     python benchmarks/decode_bench.py [--llama-cpp DIR] [--output decode.json]     # ~10 min
     python benchmarks/decode_bench.py --head-to-head 6 [--llama-cpp DIR]          # ~3 min
+    python benchmarks/decode_bench.py --burst-pairs 12 [--num-scheduler-steps 8]  # ~2 min
 
 On the random llama-125m of the engine benchmarks (2 threads), for each engine configuration
 (matmul kernels x attention kernels x weight precision x KV dtype): batch-1 decode tokens/s
@@ -253,6 +254,42 @@ def head_to_head(
     return out
 
 
+def burst_pairs(model_dir: Path, threads: int, steps: int, rounds: int) -> dict:
+    """Decode tokens/s of the one-step engine and of one with bursts of `steps`, alternated
+    back to back `rounds` times (which goes first alternates), nothing between them: batch 1
+    (128 new tokens) and a batch of 8 whose requests want 32-128 tokens (its bursts end where
+    the shortest request ends). The ratio is taken per pair."""
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    rng = random.Random(0)
+    engines = {n: LLM(str(model_dir), num_threads=threads, enable_prefix_caching=False,
+                      num_scheduler_steps=n) for n in (1, steps)}  # fmt: skip
+    batch = random_prompts(rng, [128] * 8, vocab)
+    lengths = [128, 32, 96, 64, 128, 48, 112, 80]
+    loads = {"batch 1": (batch[:1], [128]), "batch 8": (batch, lengths)}
+    out: dict = {"num_scheduler_steps": steps, "rounds": rounds}
+    for name, (prompts, new) in loads.items():
+        params = [greedy(n) for n in new]
+        for llm in engines.values():
+            llm.generate(prompts[:2], greedy(8))  # warm
+        rates: dict[int, list[float]] = {n: [] for n in engines}
+        for r in range(rounds):
+            for n in list(engines) if r % 2 == 0 else list(engines)[::-1]:
+                outs = engines[n].generate(prompts, params)
+                m = [o.metrics for o in outs]
+                tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+                span = max(x.finished_time for x in m) - min(x.first_token_time for x in m)
+                rates[n].append(tokens / span)
+        ratios = [b / a for a, b in zip(rates[1], rates[steps])]
+        q = statistics.quantiles(ratios, n=10) if len(ratios) > 1 else ratios * 2
+        out[name] = {"one_step_tokens_s": rates[1], "bursts_tokens_s": rates[steps],
+                     "ratios": ratios, "ratio_p10_p50_p90": [q[0], statistics.median(ratios),
+                                                             q[-1]]}  # fmt: skip
+        print(f"{name}: one step {statistics.median(rates[1]):.1f} tok/s, bursts of {steps} "
+              f"{statistics.median(rates[steps]):.1f} tok/s (medians); per pair "
+              f"{statistics.median(ratios):.3f}x (p10 {q[0]:.3f}, p90 {q[-1]:.3f})", flush=True)  # fmt: skip
+    return out
+
+
 def print_tables(rows: dict, hf: float, llama: dict, read_bw: float) -> None:
     base = rows["float32, oneDNN + SDPA"]["decode_b1_tokens_s"]
     print(f"\nread bandwidth at the start {read_bw / 1e9:.1f} GB/s")
@@ -298,9 +335,19 @@ def main() -> int:
     p.add_argument("--num-scheduler-steps", type=int, default=1, metavar="N",
                    help="with --head-to-head: also measure an engine that runs bursts of N "
                    "decode steps per schedule, alternated with the one-step engine")  # fmt: skip
+    p.add_argument("--burst-pairs", type=int, metavar="ROUNDS",
+                   help="only alternate the one-step engine with bursts of "
+                   "--num-scheduler-steps (default 8 here), back to back, ROUNDS times")  # fmt: skip
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = make_model(args.model_dir or Path("/tmp/pdbench/llama-125m"))
+    if args.burst_pairs:
+        steps = args.num_scheduler_steps if args.num_scheduler_steps > 1 else 8
+        out = burst_pairs(model_dir, args.threads, steps, args.burst_pairs)
+        if args.output:
+            out.update(machine=machine_info(), code=code_info(), threads=args.threads)
+            args.output.write_text(json.dumps(out, indent=2))
+        return 0
     if args.head_to_head:
         out = head_to_head(
             model_dir,
