@@ -57,6 +57,7 @@ CONFIGS = {
         linear_backend="native", attention_backend="native", enforce_eager=True
     ),
     "float32, fused decode (default)": {},
+    "float32, fused decode, bursts of 8": dict(num_scheduler_steps=8),
     "int8 weights": dict(quantization="int8"),
     "int4 weights (g32)": dict(quantization="int4"),
     "int8 weights + int8 KV": dict(quantization="int8", kv_cache_dtype="int8"),
