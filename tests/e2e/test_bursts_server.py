@@ -76,3 +76,19 @@ def test_a_client_that_leaves_mid_stream_frees_everything(bursts):
     bursts.wait_idle(timeout_s=15)  # nothing running or waiting, every KV block back
     r = httpx.post(bursts.url + CMPL, json=body(max_tokens=4), timeout=60)
     assert r.status_code == 200
+
+
+@pytest.mark.slow  # a disaggregated server of its own: seconds to start
+def test_a_decode_pool_with_bursts_gives_the_same_text(server, stories_path):
+    """1P+1D with bursts on the decode worker only (`--decode-num-scheduler-steps`): the
+    prompts' KV crosses from the prefill worker as usual, the decodes run in bursts."""
+    pd = start_server(stories_path, "--served-model-name", "stories", "--prefill-workers", "1",
+                      "--decode-workers", "1", "--decode-num-scheduler-steps", "8")  # fmt: skip
+    try:
+        one_text, _, _ = stream(server)
+        text, chunks, usage = stream(pd)
+        assert text == one_text and usage["completion_tokens"] == 40
+        assert chunks <= 1 + 39 // 8 + 1
+        pd.wait_idle()
+    finally:
+        pd.stop()
