@@ -65,6 +65,7 @@ class StepRecord:
     start_s: float
     duration_s: float
     scheduled: list[tuple[str, int]]  # (request id, tokens computed)
+    num_steps: int = 1  # a burst's decode steps (--num-scheduler-steps)
 
 
 @dataclass
@@ -256,7 +257,8 @@ class Simulation:
         num_sampled = sum(item.sample for item in plan.scheduled)
         shape = StepShape.of(q_lens, ctx_lens, num_sampled)
         duration = worker.predict(shape) * worker.step_factors[0 if shape.is_decode else 1]
-        duration *= plan.num_steps  # a burst (--num-scheduler-steps): its decode steps in a row
+        if self._step_time is None:  # a burst's steps in a row (a replayed log holds its time)
+            duration *= plan.num_steps
         if not shape.is_decode:
             duration += self.prefill_step_overhead_s
         if self._step_time is None:  # the first step after an idle stretch: cores to wake
@@ -271,6 +273,7 @@ class Simulation:
                 self.now,
                 duration,
                 [(i.request.request_id, i.num_new_tokens) for i in plan.scheduled],
+                plan.num_steps,
             )
         )
         self.at(self.now + duration, lambda: self._step_done(worker))

@@ -8,6 +8,8 @@ from __future__ import annotations
 import random
 import time
 
+import pytest
+
 from pdserve.bench.workload import RequestSpec
 from pdserve.config import EngineArgs
 from pdserve.engine.core import EngineCore
@@ -36,7 +38,9 @@ def record_engine_run(stories_path: str, args: EngineArgs):
     def recording():
         plan = schedule()
         if not plan.is_empty:
-            plans.append([(i.request.request_id, i.num_new_tokens) for i in plan.scheduled])
+            plans.append(
+                ([(i.request.request_id, i.num_new_tokens) for i in plan.scheduled], plan.num_steps)
+            )
         return plan
 
     core.scheduler.schedule = recording
@@ -58,16 +62,20 @@ def record_engine_run(stories_path: str, args: EngineArgs):
     return core, plans, durations, specs
 
 
-def test_the_simulator_replays_the_engines_decisions(stories_path):
+@pytest.mark.parametrize("steps", [1, 4])
+def test_the_simulator_replays_the_engines_decisions(stories_path, steps):
+    """`steps` 4: bursts of decode steps between the arrivals, planned alike."""
     args = EngineArgs(
         model=stories_path,
         num_kv_blocks=22,  # 352 token slots: the script's peak needs more, so some preempt
         max_num_batched_tokens=64,  # prompts go in chunks, mixed with decodes
         max_num_seqs=4,
         num_threads=1,
+        num_scheduler_steps=steps,
     )
     core, plans, durations, specs = record_engine_run(stories_path, args)
     assert core.scheduler.num_preemptions > 0  # the scenario exercises preemption
+    assert any(n > 1 for _, n in plans) == (steps > 1)
     starts = [0.0]
     for d in durations:
         starts.append(starts[-1] + d)
@@ -84,6 +92,6 @@ def test_the_simulator_replays_the_engines_decisions(stories_path):
         step_time=lambda worker, shape: next(replay),
     )
     result = sim.run(requests)
-    assert [s.scheduled for s in result.steps] == plans
+    assert [(s.scheduled, s.num_steps) for s in result.steps] == plans
     assert sim.workers[0].scheduler.num_preemptions == core.scheduler.num_preemptions
     assert all(r.completion_tokens == spec[3] for r, spec in zip(result.records, specs))
