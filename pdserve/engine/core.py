@@ -241,7 +241,8 @@ class EngineCore:
             result.bursts,
         )
         self.scheduler.observe_step(plan, t1 - t0)  # after update: it counts the accepted
-        step = self.stats.record(plan, t0, t1, self.scheduler.stats())
+        steps = len(result.bursts[0]) if result.bursts else 1  # those a burst ran
+        step = self.stats.record(plan, t0, t1, self.scheduler.stats(), steps)
         if self.placement is not None:
             self.placement.on_step(step.phase, step.num_decode_seqs, step.step_time_s)
         return outputs

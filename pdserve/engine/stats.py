@@ -102,13 +102,14 @@ class StepStatsRecorder:
                 logger.info("hardware profile: %s (%s)", profile.name, profile.source)
 
     def record(
-        self, plan: SchedulerOutput, t0: float, t1: float, sched: SchedulerStats
+        self, plan: SchedulerOutput, t0: float, t1: float, sched: SchedulerStats, steps: int = 1
     ) -> StepStats:
+        """The step's statistics; `steps`: the decode steps a burst ran (its plan's, unless
+        the runner ran fewer)."""
         self._update_peaks()
         q_lens = [s.num_new_tokens for s in plan.scheduled]
         ctx_lens = [s.request.num_computed_tokens for s in plan.scheduled]
         num_sampled = sum(1 for s in plan.scheduled if s.sample)
-        steps = plan.num_steps
         flops = num_bytes = 0.0
         for back in range(steps - 1, -1, -1):  # a burst's steps, each context one longer
             cost = step_cost(self.shape, q_lens, [c - back for c in ctx_lens], num_sampled)

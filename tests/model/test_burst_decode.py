@@ -120,3 +120,29 @@ def test_an_engine_without_the_fused_step_runs_one_step(tiny_models, caplog):
     a = llm.generate(batch, greedy())
     b = LLM(path).generate(batch, greedy())
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_a_step_whose_layer_hooks_are_wanted_runs_one_step_of_its_burst(tiny_models):
+    """A burst planned where the fused step cannot run it this step (a KV sender's hooks want
+    the layers): the runner computes one step through the modules, the scheduler gives the
+    burst's other blocks back, and the tokens are the same."""
+    path = tiny_models["llama"]
+    llm = LLM(path, num_scheduler_steps=8)
+    bursts = counting_bursts(llm)
+    fired: list[int] = []
+    llm.engine.core.runner.add_layer_hook(fired.append, wanted=lambda: True)
+    batch = prompts(llm.engine.core.model_config.vocab_size)
+    planned = []
+    schedule = llm.engine.core.scheduler.schedule
+
+    def recording():
+        plan = schedule()
+        planned.append(plan.num_steps)
+        return plan
+
+    llm.engine.core.scheduler.schedule = recording
+    out = llm.generate(batch, greedy())
+    ref = LLM(path).generate(batch, greedy())
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    assert max(planned) == 8 and not bursts  # planned, never run as bursts
+    assert fired and all_blocks_back(llm)
