@@ -478,6 +478,9 @@ class Scheduler:
                 break
         out.num_preemptions = m.num_preemptions
         if status is not None:
+            # full blocks whose KV this step computed go to the prefix cache, as a one-token
+            # step's do when it is scheduled (a later turn finds the output there)
+            self.kv.publish_blocks(request, request.num_computed_tokens)
             self.running.remove(request)
             self.finish(request, status)
             out.finish_reason = status.finish_reason

@@ -178,3 +178,18 @@ def test_bursts_and_speculation_are_one_or_the_other():
         args.scheduler_config(128)
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         EngineArgs(model="m", num_scheduler_steps=0)
+
+
+def test_the_blocks_a_last_burst_filled_reach_the_prefix_cache():
+    """A request that ends in a burst publishes the full blocks whose KV the burst computed,
+    as one step per schedule does: a later request whose prompt is that text hits them."""
+    sched = make_scheduler(8)
+    r = make_request("a", num_prompt=6, max_tokens=12)
+    decoding(sched, r)  # 6 prompt tokens + 1 output: 7 tokens
+    run_burst(sched, [21 + i for i in range(8)])  # 15 tokens, 14 computed
+    _, outs = run_burst(sched, [31, 32, 33])  # the last 3 of 12: 18 tokens, 17 computed
+    assert outs[0].finish_reason == "length" and r.num_tokens == 18
+    follow = Request("b", r.all_token_ids + [5, 6], SamplingParams(temperature=0, max_tokens=1),
+                     1, eos_token_ids=(EOS,))  # fmt: skip
+    match, hit_tokens = sched.kv.get_computed_blocks(follow)
+    assert hit_tokens == 16  # blocks 0-3: positions 0-15, all computed before it ended
