@@ -269,17 +269,12 @@ def burst_pairs(model_dir: Path, threads: int, steps: int, rounds: int) -> dict:
     loads = {"batch 1": (batch[:1], [128]), "batch 8": (batch, lengths)}
     out: dict = {"num_scheduler_steps": steps, "rounds": rounds}
     for name, (prompts, new) in loads.items():
-        params = [greedy(n) for n in new]
         for llm in engines.values():
             llm.generate(prompts[:2], greedy(8))  # warm
         rates: dict[int, list[float]] = {n: [] for n in engines}
         for r in range(rounds):
             for n in list(engines) if r % 2 == 0 else list(engines)[::-1]:
-                outs = engines[n].generate(prompts, params)
-                m = [o.metrics for o in outs]
-                tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
-                span = max(x.finished_time for x in m) - min(x.first_token_time for x in m)
-                rates[n].append(tokens / span)
+                rates[n].append(decode_rate(engines[n], prompts, new)[0])
         ratios = [b / a for a, b in zip(rates[1], rates[steps])]
         q = statistics.quantiles(ratios, n=10) if len(ratios) > 1 else ratios * 2
         out[name] = {"one_step_tokens_s": rates[1], "bursts_tokens_s": rates[steps],

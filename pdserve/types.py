@@ -147,9 +147,15 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             and self.logprobs is None
             and self.grammar is None
             and num_output_tokens >= self.min_tokens
-            and self.repetition_penalty == 1.0
-            and self.frequency_penalty == 0.0
-            and self.presence_penalty == 0.0
+            and not self.has_penalties
+        )
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
         )
 
 

@@ -133,12 +133,16 @@ def start_decoding(
         core.step()
 
 
-def decode_rate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
-    """(decode tokens/s of the batch, mean bytes per decode step)."""
+def decode_rate(
+    llm: LLM, prompts: list[list[int]], new_tokens: int | list[int]
+) -> tuple[float, float]:
+    """(decode tokens/s of the batch, mean bytes per decode step); `new_tokens` per prompt,
+    or one count for all."""
     totals = llm.engine.core.stats.totals
     before = totals.get("decode")
     b0, s0 = (before.bytes, before.steps) if before else (0.0, 0)
-    outs = llm.generate(prompts, greedy(new_tokens))
+    counts = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)
+    outs = llm.generate(prompts, [greedy(n) for n in counts])
     m = [o.metrics for o in outs]
     tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
     span = max(x.finished_time for x in m) - min(x.first_token_time for x in m)

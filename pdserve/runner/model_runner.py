@@ -284,6 +284,16 @@ class ModelRunner:
         pos = np.arange(start, end)
         return np.asarray(block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs
 
+    def _slot_table(self, tables: list[list[int]], width: int) -> np.ndarray:
+        """[len(tables), width] int64: row r holds the cache slots of positions 0 .. width - 1
+        of the request with block table tables[r] (0 past its blocks)."""
+        bs = self.block_size
+        table = np.zeros((len(tables), -(-width // bs)), dtype=np.int64)
+        for r, t in enumerate(tables):
+            ids = t[: table.shape[1]]
+            table[r, : len(ids)] = ids
+        return (table[:, :, None] * bs + np.arange(bs)).reshape(len(tables), -1)[:, :width]
+
     def layout(
         self, runs: list[tuple[list[int], int, list[int]]]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -299,18 +309,11 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=None, num_decodes=len(singles))  # type: ignore[arg-type]
         if singles:
             ctx = np.asarray([runs[r][1] + 1 for r in singles])
-            tables = [runs[r][0] for r in singles]
-            max_blocks = max(len(t) for t in tables)
-            table = np.zeros((len(tables), max_blocks), dtype=np.int64)
-            for r, t in enumerate(tables):
-                table[r, : len(t)] = t
-            bs = self.block_size
-            all_slots = (table[:, :, None] * bs + np.arange(bs)).reshape(len(tables), -1)
             max_ctx = int(ctx.max())
-            all_slots = all_slots[:, :max_ctx]
+            all_slots = self._slot_table([runs[r][0] for r in singles], max_ctx)
             pos = ctx - 1
             positions.append(pos)
-            slots.append(all_slots[np.arange(len(tables)), pos])
+            slots.append(all_slots[np.arange(len(singles)), pos])
             meta.decode_slots = torch.from_numpy(all_slots).to(self.device)
             mask = np.arange(max_ctx)[None, :] < ctx[:, None]
             meta.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
@@ -463,15 +466,11 @@ class ModelRunner:
         if fused is None or fused.embed is None or hooked:
             one = self.execute(replace(plan, num_steps=1), block_tables)
             return StepResult(one.sampled, one.logprobs, {}, bursts=[[t] for t in one.sampled])
-        items, steps, bs = plan.scheduled, plan.num_steps, self.block_size
+        items, steps = plan.scheduled, plan.num_steps
         first = np.fromiter((it.request.num_computed_tokens for it in items), np.int64, len(items))
         tokens = [it.request.all_token_ids[n] for it, n in zip(items, first.tolist())]
-        width = int(first.max()) + steps  # every position the burst computes
-        table = np.zeros((len(items), -(-width // bs)), dtype=np.int64)
-        for r, it in enumerate(items):
-            ids = block_tables[it.request.request_id][: table.shape[1]]
-            table[r, : len(ids)] = ids
-        slots = (table[:, :, None] * bs + np.arange(bs)).reshape(len(items), -1)[:, :width]
+        tables = [block_tables[it.request.request_id] for it in items]
+        slots = self._slot_table(tables, int(first.max()) + steps)  # every position it computes
         bursts = fused.burst(tokens, first, slots, steps, self.kv_caches)
         return StepResult([b[0] for b in bursts], [None] * len(items), {}, bursts=bursts)
 

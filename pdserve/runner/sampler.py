@@ -53,22 +53,9 @@ def is_greedy(params: SamplingParams) -> bool:
 
 def plain_greedy(row: SamplingRow) -> bool:
     """Whether the row's token is the argmax of its raw logits: greedy, no logprobs, no
-    penalties, and past min_tokens (no ban on its stop tokens)."""
-    params = row.params
-    return (
-        is_greedy(params)
-        and params.logprobs is None
-        and len(row.output_token_ids) >= params.min_tokens
-        and not has_penalties(params)
-    )
-
-
-def has_penalties(params: SamplingParams) -> bool:
-    return (
-        params.repetition_penalty != 1.0
-        or params.frequency_penalty != 0.0
-        or params.presence_penalty != 0.0
-    )
+    penalties or grammar, and past min_tokens (no ban on its stop tokens); the scheduler's
+    bursts ask the same of every step (`SamplingParams.takes_raw_argmax`)."""
+    return row.params.takes_raw_argmax(len(row.output_token_ids))
 
 
 class Sampler:
@@ -117,7 +104,7 @@ class Sampler:
         """`raw_logits` ([num_rows, vocab] float32) after each row's penalties, min_tokens ban
         and grammar mask: `raw_logits` itself where no row has any, else a new tensor. A
         constraint added here belongs in `plain_greedy` too (the rows that skip this)."""
-        penalty_rows = [i for i, r in enumerate(rows) if has_penalties(r.params)]
+        penalty_rows = [i for i, r in enumerate(rows) if r.params.has_penalties]
         # A grammar decides when its row may end: min_tokens does not ban EOS there.
         constrained = set(masks.row_indices) if masks is not None else set()
         banned_rows, banned_ids = self._min_tokens_bans(rows, raw_logits.shape[1], constrained)
