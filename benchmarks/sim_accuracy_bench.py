@@ -108,9 +108,10 @@ def workload(name: str, a, tok):
     return specs, build_prompts(specs, tok, a.seed)
 
 
-def simulate(serve_args: list[str], model: str, specs, records, profile: Profile):
+def simulate(serve_args: list[str], model: str, specs, records, profile: Profile,
+             noise_seed: int | None):  # fmt: skip
     """The simulated records of the same requests: prompt lengths as the server counted them,
-    the measured run's send times."""
+    the measured run's send times; step-time noise drawn with `noise_seed` (None: none)."""
     _, args = parse_args(["serve", "--model", model, *serve_args])
     engine = from_args(EngineArgs, args)
     disagg = disagg_config_from(args)
@@ -122,7 +123,10 @@ def simulate(serve_args: list[str], model: str, specs, records, profile: Profile
         same.append(RequestSpec(s.index, r.t_arrive, n, s.output_len, s.hash_ids))
     max_len = ModelConfig.from_pretrained(model).max_model_len
     t0 = time.perf_counter()
-    sim = Simulation(profile, engine, disagg, max_model_len=max_len, local_client=True)
+    sim = Simulation(
+        profile, engine, disagg, max_model_len=max_len, local_client=True,
+        step_noise=noise_seed is not None, seed=noise_seed or 0,
+    )  # fmt: skip
     result = sim.run(same)
     wall = time.perf_counter() - t0
     return result.records, wall, simulated_steps(result.steps, sim.workers)
@@ -146,13 +150,16 @@ def anchor_variants(profile: Profile, probes: dict) -> dict[str, Profile]:
     return out
 
 
-def simulate_variants(entry: dict, serve_args, model, specs, records, profile: Profile) -> None:
+def simulate_variants(entry: dict, serve_args, model, specs, records, profile: Profile,
+                      noise_seed: int | None) -> None:  # fmt: skip
     """Add to `entry` the simulation of its requests with each anchored profile."""
     if not entry.get("probes"):
         return
     entry["variants"] = {}
     for name, anchored in anchor_variants(profile, entry["probes"]).items():
-        sim_records, _, sim_steps = simulate(serve_args, model, specs, records, anchored)
+        sim_records, _, sim_steps = simulate(
+            serve_args, model, specs, records, anchored, noise_seed
+        )
         sim = figures(sim_records)
         entry["variants"][name] = {
             "simulated": sim,
@@ -285,6 +292,10 @@ def main() -> None:
     p.add_argument("--attempts", type=int, default=2)
     p.add_argument("--anchor", action="store_true",
                    help="probe the machine's speed before and after each run (see above)")  # fmt: skip
+    p.add_argument("--step-noise", action=argparse.BooleanOptionalAction, default=True,
+                   help="simulate with step-time noise drawn from the profile's scatter "
+                   "(pdserve simulate's default; --no-step-noise: the fitted times)")  # fmt: skip
+    p.add_argument("--step-noise-seed", type=int, default=0, metavar="N")
     p.add_argument("--output", help="write everything (per-request records too) as JSON")
     p.add_argument("--reanalyze", metavar="FILE", help="print the table of a saved --output")
     p.add_argument("--resimulate", metavar="FILE",
@@ -301,6 +312,7 @@ def main() -> None:
     if not a.profile:
         p.error("--profile is required (pdserve profile --model DIR --output FILE)")
     profile = Profile.load(a.profile)
+    noise = a.step_noise_seed if a.step_noise else None
     if a.resimulate:
         resimulate(a, profile)
         return
@@ -328,7 +340,9 @@ def main() -> None:
                 return records, measured_steps(Window([before, after])), probes
 
             (records, server_steps, probes), meta = measured(run, f"{wname}-{dname}", a.attempts)
-            sim_records, wall, sim_steps = simulate(deps[dname], model, specs, records, profile)
+            sim_records, wall, sim_steps = simulate(
+                deps[dname], model, specs, records, profile, noise
+            )
             entry = {
                 "workload": wname,
                 "deployment": dname,
@@ -345,7 +359,7 @@ def main() -> None:
                 "probes": probes,
             }
             entry["error"] = compare(entry["measured"], entry["simulated"])
-            simulate_variants(entry, deps[dname], model, specs, records, profile)
+            simulate_variants(entry, deps[dname], model, specs, records, profile, noise)
             entries.append(entry)
             print_table([entry])
     print_table(entries)
@@ -444,6 +458,7 @@ def _errors(errs: list) -> str:
 def resimulate(a, profile: Profile) -> None:
     """A saved run's measured records against a new simulation of the same requests."""
     saved = json.loads(Path(a.resimulate).read_text())
+    noise = a.step_noise_seed if a.step_noise else None
     args = argparse.Namespace(**saved["args"])
     model = args.model or ensure_125m(DEFAULT_125M)
     tok = HFPromptTokenizer(load_tokenizer(model))
@@ -453,13 +468,15 @@ def resimulate(a, profile: Profile) -> None:
             continue
         specs, _ = workload(e["workload"], args, tok)
         records = [RequestRecord.from_dict(r) for r in e["records"]]
-        sim_records, wall, sim_steps = simulate(e["serve"][2:], model, specs, records, profile)
+        sim_records, wall, sim_steps = simulate(
+            e["serve"][2:], model, specs, records, profile, noise
+        )
         entry = {**e, "simulated": figures(sim_records), "sim_wall_s": wall,
                  "sim_requests_per_s": len(specs) / wall if wall else None,
                  "steps": {**e.get("steps", {}), "simulated": sim_steps},
                  "sim_records": [r.to_dict() for r in sim_records]}  # fmt: skip
         entry["error"] = compare(entry["measured"], entry["simulated"])
-        simulate_variants(entry, e["serve"][2:], model, specs, records, profile)
+        simulate_variants(entry, e["serve"][2:], model, specs, records, profile, noise)
         entries.append(entry)
     print_table(entries)
     if a.output:

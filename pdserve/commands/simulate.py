@@ -41,6 +41,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the load comes from a client on the measured machine (as in a benchmark there): "
         "its CPU per token, from the profile, shares the workers' cores too",
     )
+    g.add_argument(
+        "--step-noise",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each step's time takes a ratio drawn from how the profile's measured steps of its "
+        "kind scattered around their fit, seeded by --seed (default on; a profile that kept no "
+        "steps, as an analytic one, has none): percentiles that rest on a few short steps follow "
+        "their scatter",
+    )
     g.add_argument("--output", metavar="FILE", help="write the summary and every request as JSON")
     add_engine_arguments(p)
     groups: Groups = {DISAGG_GROUP: p.add_argument_group(DISAGG_GROUP)}
@@ -75,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=max_model_len,
         threads_per_worker=args.threads_per_worker,
         local_client=args.local_client,
+        step_noise=args.step_noise,
+        seed=engine.seed,
     )
     result = sim.run(specs)
     wall = time.perf_counter() - t0
@@ -101,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
                 "simulated_s": result.end_s,
                 "requests_per_wall_s": len(specs) / wall if wall else None,
                 "num_steps": len(result.steps),
+                "step_noise": args.step_noise,
                 "decisions": result.decisions,
             },
             "request_rate": workload.request_rate,

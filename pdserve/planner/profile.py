@@ -23,6 +23,7 @@ from pdserve.planner.step_model import (
     ScaledStepModel,
     SplitStepModel,
     StepModel,
+    StepNoise,
     StepShape,
     step_model_from_dict,
 )
@@ -173,6 +174,13 @@ class Profile:
         if anchor is None:
             return model
         return ScaledStepModel(model, anchor.decode, anchor.prefill)
+
+    def step_noise(self, size: int) -> StepNoise | None:
+        """How the measured steps of a worker of `size` (the nearest measured size) scatter
+        around their fitted model (`StepNoise`); None where the profile kept no steps (analytic
+        profiles, older measured ones)."""
+        rows = self.samples.get(self._nearest(size)) if self.samples else None
+        return StepNoise.fit(self.fitted_step_model(size), rows) if rows else None
 
     def fitted_step_model(self, size: int) -> StepModel:
         """The model as fitted to the profile's own steps, whatever anchors it carries."""

@@ -22,7 +22,10 @@ machine, `local_client`) spends per output token is added to the step that emits
 in the worker's share of the CPUs, when the workers occupy every CPU; every token reaches the
 client the profile's time outside the engine after its step (measured alone and under load;
 `ServingCosts.latency` by the requests in flight). A worker's first step after an idle stretch
-takes the profile's wake cost on top (`Profile.wake`). What is not
+takes the profile's wake cost on top (`Profile.wake`). With `step_noise`, each step's time is
+also multiplied by a ratio drawn (seeded) from how the profile's own measured steps of its kind
+lay from their fitted model (`StepNoise`): a machine's steps scatter, and a percentile resting on
+a few short steps follows the scatter. What is not
 modelled: message latencies between processes, KV transfer fallbacks and failures,
 preemption's recompute being cheaper than a first prefill (the prefix cache is modelled, so
 recompute hits cached blocks as it does for real).
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -44,7 +48,7 @@ from pdserve.config import DisaggConfig, EngineArgs, worker_specs
 from pdserve.disagg.router import Router
 from pdserve.kv.manager import KVCacheManager
 from pdserve.planner.profile import Profile
-from pdserve.planner.step_model import StepShape
+from pdserve.planner.step_model import StepNoise, StepShape
 from pdserve.pools.pd_controller import MERGED, PDController, PhaseSLO
 from pdserve.pools.roles import LoadObserver, RoleManager, cpu_sets
 from pdserve.pools.roles import Worker as RoleView
@@ -76,6 +80,7 @@ class SimWorker:
     size: int  # threads or devices
     predict: Callable[[StepShape], float]
     step_factors: tuple[float, float] = (1.0, 1.0)  # served / in-process: decode, prompt steps
+    noise: StepNoise | None = None  # where the simulation draws step-time noise
     plan: SchedulerOutput | None = None
     step_start: float = 0.0
     wake_pending: bool = False
@@ -118,11 +123,16 @@ class Simulation:
         transport: str | None = None,
         step_time: Callable[[SimWorker, StepShape], float] | None = None,
         local_client: bool = False,
+        step_noise: bool = False,
+        seed: int = 0,
     ) -> None:
         """`threads_per_worker` sizes a worker without a CPU set (one with `--*-cpus` counts its
         CPUs). `step_time(worker, shape)` replaces the profile's step models (tests replay a
         recorded step log with it). `local_client`: the load comes from a client on the same
-        machine (a benchmark), whose CPU per token the profile measured too."""
+        machine (a benchmark), whose CPU per token the profile measured too. `step_noise`: each
+        step's time takes a ratio drawn from the scatter of the profile's measured steps
+        (`Profile.step_noise`; nothing where the profile kept none), from a generator seeded
+        with `seed`: the same seed, the same run."""
         self.profile = profile
         self.disagg = disagg = disagg or DisaggConfig()
         self.now = 0.0
@@ -134,6 +144,8 @@ class Simulation:
         self.workers: list[SimWorker] = []
         self.own_cpus: dict[int, frozenset[int]] = {}  # stand-ins, for lending (--pd-merge)
         self._step_time = step_time
+        self._noise = step_noise and step_time is None  # a replayed log holds its own times
+        self._rng = random.Random(seed)
         kv_bytes_per_block = engine.block_size * profile.kv_bytes_per_token
         for wid, (role, args, cpus) in enumerate(worker_specs(engine, disagg)):
             cache = args.cache_config()
@@ -159,6 +171,7 @@ class Simulation:
             self.prefill_step_overhead_s = served.prefill_step_overhead_s
         for w in self.workers:
             self._set_factors(w)
+            self._set_noise(w)
         self.block_size = engine.block_size
         self.max_model_len = max_model_len
         self.router = Router(engine.block_size, disagg.min_prompt_tokens)
@@ -257,6 +270,8 @@ class Simulation:
         num_sampled = sum(item.sample for item in plan.scheduled)
         shape = StepShape.of(q_lens, ctx_lens, num_sampled)
         duration = worker.predict(shape) * worker.step_factors[0 if shape.is_decode else 1]
+        if worker.noise is not None:
+            duration *= worker.noise.draw(shape, self._rng, plan.num_steps)
         if self._step_time is None:  # a burst's steps in a row (a replayed log holds its time)
             duration *= plan.num_steps
         if not shape.is_decode:
@@ -407,6 +422,10 @@ class Simulation:
                 if self._step_time is None:
                     w.predict = self.profile.step_model(w.size).predict
                     self._set_factors(w)
+                    self._set_noise(w)
+
+    def _set_noise(self, w: SimWorker) -> None:
+        w.noise = self.profile.step_noise(w.size) if self._noise else None
 
     def _set_factors(self, w: SimWorker) -> None:
         served = self.profile.serving

@@ -109,3 +109,13 @@ def test_a_measured_profile_fits_this_machine(stories_path, tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert other.returncode != 0 and "anchor it with the engine flags" in other.stderr
+    # a simulation with it draws step-time noise from the kept steps: the same for a seed
+    runs = {}
+    for name, flags in (("a", []), ("b", []), ("quiet", ["--no-step-noise"])):
+        out = tmp_path / f"sim-{name}.json"
+        pdserve("simulate", "--profile", str(prof), "--model", stories_path,
+                *WORKLOAD, *flags, "--output", str(out))  # fmt: skip
+        result = json.loads(out.read_text())
+        assert result["summary"]["completed"] == 20
+        runs[name] = [r["token_times"] for r in result["requests"]]
+    assert runs["a"] == runs["b"] != runs["quiet"]

@@ -4,6 +4,7 @@ the P:D controller work on simulated time; step models fit and predict (no torch
 from __future__ import annotations
 
 import dataclasses
+import random
 import subprocess
 import sys
 
@@ -19,7 +20,9 @@ from pdserve.planner.step_model import (
     AnalyticStepModel,
     LinearStepModel,
     SplitStepModel,
+    StepNoise,
     StepShape,
+    noise_kind,
     step_model_from_dict,
 )
 
@@ -645,3 +648,64 @@ def test_bursts_run_several_decode_steps_per_schedule_in_simulated_time():
     assert busy8 == pytest.approx(busy1, rel=0.05)
     times = [t for r in many.records for t in r.token_times]
     assert len(set(times)) < len(times) / 3
+
+
+def noisy_profile(ratios=(0.8, 1.0, 1.5)):
+    """PROFILE with kept steps of every kind at `ratios` of its two-thread model's time."""
+    shapes = [([1], [300], 1), ([1, 1, 1], [200, 300, 400], 3),  # decode
+              ([10, 1], [298, 200], 2), ([64], [64], 1),  # short: <= 64 prompt tokens
+              ([256], [256], 0), ([400, 1], [400, 90], 2)]  # prompt  # fmt: skip
+    rows = [[q, c, n, TWO.predict(StepShape.of(q, c, n)) * r] for q, c, n in shapes for r in ratios]
+    return dataclasses.replace(PROFILE, samples={2: rows})
+
+
+def test_step_noise_holds_each_kinds_measured_ratios_and_draws_only_them():
+    assert noise_kind(StepShape.of([1, 1], [5, 9], 2)) == "decode"
+    assert noise_kind(StepShape.of([64, 1], [900, 9], 2)) == "short"
+    assert noise_kind(StepShape.of([65], [65], 1)) == "prompt"
+    profile = noisy_profile()
+    noise = profile.step_noise(2)
+    assert set(noise.ratios) == {"decode", "short", "prompt"}
+    for ratios in noise.ratios.values():
+        assert ratios == pytest.approx((0.8, 0.8, 1.0, 1.0, 1.5, 1.5))
+    assert profile.step_noise(3) == noise  # a worker of 3 threads takes the nearest size's
+    assert profile.step_noise(1) is PROFILE.step_noise(2) is None  # no kept steps: no noise
+    rng = random.Random(0)
+    decode = StepShape.of([1], [9], 1)
+    assert {noise.draw(decode, rng) for _ in range(200)} == {0.8, 1.0, 1.5}
+    burst = [noise.draw(decode, rng, num_steps=8) for _ in range(200)]
+    assert all(0.8 <= b <= 1.5 for b in burst) and len(set(burst)) > 3  # a mean of eight draws
+    # a kind the profile never measured takes the ratios of every kind it did
+    only_decodes = StepNoise.fit(TWO, [[[1], [9], 1, TWO.predict(decode) * 2]])
+    assert only_decodes.ratios["prompt"] == only_decodes.ratios["decode"] == pytest.approx((2.0,))
+
+
+def test_a_noisy_simulation_is_the_same_for_a_seed_and_each_step_takes_a_measured_ratio():
+    profile = noisy_profile()
+
+    def run(reqs, noise, seed=0, **engine):
+        sim = Simulation(profile, EngineArgs(model="m", **engine), max_model_len=2048,
+                         threads_per_worker=2, step_noise=noise, seed=seed)  # fmt: skip
+        return sim.run(reqs)
+
+    busy = requests(n=12, gap=0.3)
+    a, b = run(busy, True, max_num_batched_tokens=256), run(busy, True, max_num_batched_tokens=256)
+    other = run(busy, True, seed=1, max_num_batched_tokens=256)
+    assert all(r.status == COMPLETED for r in a.records)
+    assert [r.to_dict() for r in a.records] == [r.to_dict() for r in b.records]
+    assert [r.to_dict() for r in a.records] != [r.to_dict() for r in other.records]
+    # requests far apart are scheduled alike whatever the step times: each noisy step takes its
+    # quiet twin's time times one of the measured ratios
+    spaced = [RequestSpec(i, 5.0 * i, 300, 6) for i in range(6)]
+    quiet, noisy = run(spaced, False), run(spaced, True)
+    assert [s.scheduled for s in quiet.steps] == [s.scheduled for s in noisy.steps]
+    got = {round(n.duration_s / q.duration_s, 9) for q, n in zip(quiet.steps, noisy.steps)}
+    assert got == {0.8, 1.0, 1.5}
+
+
+def test_a_replayed_step_log_takes_no_noise():
+    sim = Simulation(noisy_profile(), EngineArgs(model="m"), max_model_len=2048,
+                     threads_per_worker=2, step_time=lambda worker, shape: 0.01,
+                     step_noise=True)  # fmt: skip
+    result = sim.run([RequestSpec(i, 0.5 * i, 100, 5) for i in range(4)])
+    assert {s.duration_s for s in result.steps} == {0.01}
