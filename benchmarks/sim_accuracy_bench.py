@@ -10,7 +10,8 @@ For each workload x deployment, the requests are sent to `pdserve serve` (as dis
 does: a random llama-125m by default, float32, one deployment at a time on a quiet machine) and
 the very same requests (the prompt lengths the server counted, the arrival times, the output
 lengths) go through `pdserve simulate`'s simulation of the same deployment, built from the same
-serve flags and the profile. Reported: TTFT and TPOT p50 and p90, measured and simulated, and
+serve flags and the profile, with its step-time noise as `pdserve simulate` draws it
+(`--step-noise-seed`, default 0; `--no-step-noise` for the fitted times). Reported: TTFT and TPOT p50 and p90, measured and simulated, and
 the relative error of each (simulated / measured - 1); the simulator's speed (simulated requests
 per second of wall time).
 

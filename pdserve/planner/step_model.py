@@ -266,7 +266,7 @@ class StepNoise:
     ratio measured / predicted of every step a profile measured, so that a simulated step can
     take a ratio drawn from them (a bootstrap of the fit's residuals) instead of always the
     model's time. A machine's steps scatter (llama-125m's decode steps on 2 cores of a Zen 4
-    measured 0.8x-1.2x their fit for 80% of them, up to 2.3x), and a percentile that rests on a
+    measured 0.9x-1.2x their fit for 80% of them, up to 2.3x), and a percentile that rests on a
     few short steps (the TTFTs of prompts that hit the prefix cache) follows their scatter, not
     their centre. `ratios`: by kind, sorted; a kind with no measured step takes the others'."""
 
