@@ -2,7 +2,7 @@
 
     python benchmarks/decode_bench.py [--llama-cpp DIR] [--output decode.json]     # ~10 min
     python benchmarks/decode_bench.py --head-to-head 6 [--llama-cpp DIR]          # ~3 min
-    python benchmarks/decode_bench.py --burst-pairs 12 [--num-scheduler-steps 8]  # ~2 min
+    python benchmarks/decode_bench.py --burst-pairs 12 [--num-scheduler-steps 8]  # ~4 min
 
 On the random llama-125m of the engine benchmarks (2 threads), for each engine configuration
 (matmul kernels x attention kernels x weight precision x KV dtype): batch-1 decode tokens/s
@@ -258,23 +258,34 @@ def head_to_head(
 def burst_pairs(model_dir: Path, threads: int, steps: int, rounds: int) -> dict:
     """Decode tokens/s of the one-step engine and of one with bursts of `steps`, alternated
     back to back `rounds` times (which goes first alternates), nothing between them: batch 1
-    (128 new tokens) and a batch of 8 whose requests want 32-128 tokens (its bursts end where
-    the shortest request ends). The ratio is taken per pair."""
+    (128 new tokens), a batch of 8 whose requests want 32-128 tokens (its bursts end where
+    the shortest request ends), and an offline queue: 16 requests of 48 new tokens through 4
+    sequence slots (bursts run while the others wait for a slot; each new prompt is a step of
+    its own). The ratio is taken per pair."""
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
-    engines = {n: LLM(str(model_dir), num_threads=threads, enable_prefix_caching=False,
-                      num_scheduler_steps=n) for n in (1, steps)}  # fmt: skip
     batch = random_prompts(rng, [128] * 8, vocab)
+    queue = random_prompts(rng, [32, 48, 64, 80] * 4, vocab)
     lengths = [128, 32, 96, 64, 128, 48, 112, 80]
-    loads = {"batch 1": (batch[:1], [128]), "batch 8": (batch, lengths)}
+    loads = {  # name: (prompts, new tokens, max_num_seqs)
+        "batch 1": (batch[:1], [128], 8),
+        "batch 8": (batch, lengths, 8),
+        "16 queued, 4 slots": (queue, [48] * 16, 4),
+    }
+    engines: dict[tuple[int, int], LLM] = {}
     out: dict = {"num_scheduler_steps": steps, "rounds": rounds}
-    for name, (prompts, new) in loads.items():
-        for llm in engines.values():
-            llm.generate(prompts[:2], greedy(8))  # warm
-        rates: dict[int, list[float]] = {n: [] for n in engines}
+    for name, (prompts, new, seqs) in loads.items():
+        pair = {}
+        for n in (1, steps):
+            if (n, seqs) not in engines:
+                engines[n, seqs] = LLM(str(model_dir), num_threads=threads, max_num_seqs=seqs,
+                                       enable_prefix_caching=False, num_scheduler_steps=n)  # fmt: skip
+            pair[n] = engines[n, seqs]
+            pair[n].generate(prompts[:2], greedy(8))  # warm
+        rates: dict[int, list[float]] = {n: [] for n in pair}
         for r in range(rounds):
-            for n in list(engines) if r % 2 == 0 else list(engines)[::-1]:
-                rates[n].append(decode_rate(engines[n], prompts, new)[0])
+            for n in list(pair) if r % 2 == 0 else list(pair)[::-1]:
+                rates[n].append(decode_rate(pair[n], prompts, new)[0])
         ratios = [b / a for a, b in zip(rates[1], rates[steps])]
         q = statistics.quantiles(ratios, n=10) if len(ratios) > 1 else ratios * 2
         out[name] = {"one_step_tokens_s": rates[1], "bursts_tokens_s": rates[steps],

@@ -213,9 +213,10 @@ class EngineArgs:
         per_pool=True,
         metavar="N",
         help="run up to N decode steps per schedule, in one native call, when every running "
-        "request decodes greedily (no logprobs, penalties or grammar) and nothing waits: the "
-        "host's per-step work is paid once per N tokens, and the tokens reach clients N at a "
-        "time (a request that arrives meanwhile waits for the burst to end)",
+        "request decodes greedily (no logprobs, penalties or grammar) and no queued request "
+        "could start (none, or every --max-num-seqs slot taken): the host's per-step work is "
+        "paid once per N tokens, and the tokens reach clients N at a time (a request that "
+        "arrives meanwhile waits for the burst to end)",
         checks=(_STEPS,),
     )
     speculative_method: str = setting(

@@ -312,12 +312,17 @@ class Scheduler:
         """How many decode steps the plan runs back to back, with their KV slots allocated.
 
         A burst runs only when every running request decodes, each takes the raw argmax (no
-        sampler between its steps), and nothing waits (a newcomer's prompt would wait for the
-        burst: at most `max_steps - 1` steps). It ends where the first request reaches its
-        `max_tokens` or the context, so no burst computes past a length limit; a request that
-        stops earlier (EOS, a stop token) leaves the rest of its burst unused. Without blocks
-        for the whole burst it is one step, and nothing is preempted for it."""
-        if out.num_prefill_tokens or out.num_preempted or self.waiting or self.remote.waiting:
+        sampler between its steps), no prompt's KV is on its way from a prefill worker, and no
+        waiting request could start before a running one ends (a newcomer's prompt would wait
+        for the burst, at most `max_steps - 1` steps: `_queue_blocked`). It ends where the
+        first request reaches its `max_tokens` or the context, so no burst computes past a
+        length limit, and a slot that a length limit frees is free at the same step as without
+        bursts; a request that stops earlier (EOS, a stop token) leaves the rest of its burst
+        unused, and a request waiting for its slot waits for that rest too. Without blocks for
+        the whole burst it is one step, and nothing is preempted for it."""
+        if out.num_prefill_tokens or out.num_preempted or self.remote.waiting:
+            return 1
+        if self.waiting and not self._queue_blocked():
             return 1
         if len(out.scheduled) != len(self.running):
             return 1
@@ -338,6 +343,16 @@ class Scheduler:
                     self.kv.trim(done.request, done.request.num_tokens)
                 return 1
         return steps
+
+    def _queue_blocked(self) -> bool:
+        """No waiting request can start before a running one ends: every sequence slot is taken
+        (as offline batches of more requests than `max_num_seqs` keep them), and none can be
+        taken from a running request (priority preemption with priorities in play, where aging
+        makes a waiting request more urgent as time passes)."""
+        if len(self.running) + len(self.remote.waiting) < self.config.max_num_seqs:
+            return False
+        every = (*self.running, *self.waiting)
+        return not (self.config.priority_preemption and self.priority.in_play(every))
 
     def _add(
         self, out: SchedulerOutput, request: Request, num_new: int, spec: list[int] = ()

@@ -112,12 +112,54 @@ def test_min_tokens_met_lets_bursts_run():
     assert sched.schedule().num_steps == 8
 
 
-def test_no_burst_while_a_request_waits():
-    sched = make_scheduler(8, max_seqs=1)
+def test_no_burst_while_a_waiting_request_could_start():
+    sched = make_scheduler(8, max_seqs=2)
     decoding(sched, make_request("a"))
-    sched.add_request(make_request("b"))  # no sequence slot for it: it waits
+    sched.add_request(make_request("b", max_tokens=2))  # a free slot: its prompt runs now
     plan = sched.schedule()
+    assert plan.num_steps == 1 and {s.request.request_id for s in plan.scheduled} == {"a", "b"}
+    sched.update(plan, [7, 7])
+    sched.add_request(make_request("c"))  # "b" ends at its next token, "c" takes its slot
+    plan = sched.schedule()
+    assert plan.num_steps == 1  # "c" waits for a slot, but only one step: "b" ends in it
+
+
+def test_a_burst_runs_while_every_slot_is_taken_and_frees_the_slot_when_one_step_would():
+    """Requests waiting for a sequence slot (an offline batch larger than max_num_seqs) cannot
+    start before a running request ends; the burst ends where the first one does, so the next
+    request starts at the same step as with one step per schedule."""
+    for steps in (1, 8):
+        sched = make_scheduler(steps, max_seqs=2)
+        decoding(sched, make_request("a", max_tokens=13), make_request("b", max_tokens=40))
+        sched.add_request(make_request("c"))
+        bursts = []
+        while True:
+            plan = sched.schedule()
+            if any(item.request.request_id == "c" for item in plan.scheduled):
+                break
+            bursts.append(plan.num_steps)
+            if plan.num_steps > 1:
+                sched.update(plan, [], bursts=[[7] * plan.num_steps for _ in plan.scheduled])
+            else:
+                sched.update(plan, [7] * len(plan.scheduled))
+        computed = sum(bursts)
+        assert computed == 12  # "a" has 12 tokens left after its first: "c" starts right after
+        assert bursts == ([1] * 12 if steps == 1 else [8, 4])
+        assert plan.num_prefill_tokens == 6 and plan.num_steps == 1  # "c"'s prompt, beside "b"
+
+
+def test_no_burst_while_a_waiting_request_could_take_a_slot_by_priority():
+    args = EngineArgs(model="m", max_num_seqs=1, num_scheduler_steps=8, priority_preemption=True)
+    sched = Scheduler(args.scheduler_config(128), KVCacheManager(64, BS))
+    decoding(sched, make_request("a", priority=1))
+    sched.add_request(make_request("b", priority=1))  # as urgent: no slot for it, but aging
+    plan = sched.schedule()  # may make it more urgent than "a" during a burst
     assert plan.num_steps == 1 and [s.request.request_id for s in plan.scheduled] == ["a"]
+    # without priorities in play the same queue lets a burst run
+    sched = Scheduler(args.scheduler_config(128), KVCacheManager(64, BS))
+    decoding(sched, make_request("a"))
+    sched.add_request(make_request("b"))
+    assert sched.schedule().num_steps == 8
 
 
 def test_without_blocks_for_the_whole_burst_it_is_one_step_and_holds_no_extra():
