@@ -188,7 +188,7 @@ class Scheduler:
         """prefill_first: the tokens the waiting head's next chunk needs this step."""
         if not (self.config.prefill_first and self.waiting) or sits_out(self.waiting[0]):
             return 0
-        if len(self.running) + len(self.remote.waiting) >= self.config.max_num_seqs:
+        if self._slots_full():
             return 0
         head = self.waiting[0]
         return self._chunk(head, budget, unbounded(head)) if head.kv_role != KVRole.RECEIVE else 0
@@ -270,7 +270,7 @@ class Scheduler:
             request = self.waiting[0]
             if sits_out(request):
                 break
-            if len(self.running) + len(self.remote.waiting) >= self.config.max_num_seqs:
+            if self._slots_full():
                 if not self._make_room(request, now, out):
                     break
                 continue
@@ -344,12 +344,17 @@ class Scheduler:
                 return 1
         return steps
 
+    def _slots_full(self) -> bool:
+        """Every sequence slot is taken: by a running request, or reserved for one whose KV
+        comes from a prefill worker."""
+        return len(self.running) + len(self.remote.waiting) >= self.config.max_num_seqs
+
     def _queue_blocked(self) -> bool:
         """No waiting request can start before a running one ends: every sequence slot is taken
         (as offline batches of more requests than `max_num_seqs` keep them), and none can be
         taken from a running request (priority preemption with priorities in play, where aging
         makes a waiting request more urgent as time passes)."""
-        if len(self.running) + len(self.remote.waiting) < self.config.max_num_seqs:
+        if not self._slots_full():
             return False
         every = (*self.running, *self.waiting)
         return not (self.config.priority_preemption and self.priority.in_play(every))
