@@ -36,7 +36,11 @@ runs again when disturbed, as the other serving benchmarks do. With `--anchor`, 
 few seconds (`pdserve profile --anchor`'s) runs in this process just before and just after each
 measured run, and the same requests are simulated three ways: with the profile as measured, with
 the profile anchored on the probe before the run (what a planner run at that moment would know),
-and anchored on both probes (the machine's speed over the run). `--resimulate FILE` keeps a saved
+and anchored on both probes (the machine's speed over the run). With `--speed-trace SECONDS`,
+a speed trace (`pdserve profile --speed-trace`) is measured into the profile before the first
+run, and the same requests are also simulated with the profile as measured, its decode-bound
+steps along that trace (`planner/speed.py`); the output keeps the traced profile, which
+`--profile` reads back from an output file. `--resimulate FILE` keeps a saved
 run's measured side and simulates the same requests again with `--profile` (seconds, not half an
 hour): how a change to the simulator or the profile moves its error against the same
 measurements. `--spread FILE FILE...` compares the measured figures of runs of the same requests
@@ -59,7 +63,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lib.machine import code_info, machine_info  # noqa: E402
 from lib.paths import DEFAULT_125M, TRACE, ensure_125m  # noqa: E402
-from lib.quiet import measured  # noqa: E402
+from lib.quiet import measured, wait_quiet  # noqa: E402
 from lib.server import Server, send  # noqa: E402
 
 from pdserve.bench.metrics import RequestRecord, latency_stats  # noqa: E402
@@ -110,9 +114,10 @@ def workload(name: str, a, tok):
 
 
 def simulate(serve_args: list[str], model: str, specs, records, profile: Profile,
-             noise_seed: int | None):  # fmt: skip
+             noise_seed: int | None, speed_trace: bool = False):  # fmt: skip
     """The simulated records of the same requests: prompt lengths as the server counted them,
-    the measured run's send times; step-time noise drawn with `noise_seed` (None: none)."""
+    the measured run's send times; step-time noise drawn with `noise_seed` (None: none); with
+    `speed_trace`, decode-bound steps along the profile's speed trace (seeded alike)."""
     _, args = parse_args(["serve", "--model", model, *serve_args])
     engine = from_args(EngineArgs, args)
     disagg = disagg_config_from(args)
@@ -126,14 +131,16 @@ def simulate(serve_args: list[str], model: str, specs, records, profile: Profile
     t0 = time.perf_counter()
     sim = Simulation(
         profile, engine, disagg, max_model_len=max_len, local_client=True,
-        step_noise=noise_seed is not None, seed=noise_seed or 0,
+        step_noise=noise_seed is not None, speed_trace=speed_trace, seed=noise_seed or 0,
     )  # fmt: skip
     result = sim.run(same)
     wall = time.perf_counter() - t0
     return result.records, wall, simulated_steps(result.steps, sim.workers)
 
 
-VARIANTS = ("before", "both")  # `--anchor`: the probe before the run, and before and after
+# `--anchor`: the probe before the run, and before and after; `--speed-trace`: the profile as
+# measured with the trace taken before the runs
+VARIANTS = ("before", "both", "trace")
 
 
 def anchor_variants(profile: Profile, probes: dict) -> dict[str, Profile]:
@@ -153,13 +160,17 @@ def anchor_variants(profile: Profile, probes: dict) -> dict[str, Profile]:
 
 def simulate_variants(entry: dict, serve_args, model, specs, records, profile: Profile,
                       noise_seed: int | None) -> None:  # fmt: skip
-    """Add to `entry` the simulation of its requests with each anchored profile."""
-    if not entry.get("probes"):
+    """Add to `entry` the simulation of its requests with each anchored profile, and along the
+    profile's speed trace where it has one."""
+    variants = anchor_variants(profile, entry["probes"]) if entry.get("probes") else {}
+    if profile.speed:
+        variants["trace"] = profile.anchored({})
+    if not variants:
         return
     entry["variants"] = {}
-    for name, anchored in anchor_variants(profile, entry["probes"]).items():
+    for name, anchored in variants.items():
         sim_records, _, sim_steps = simulate(
-            serve_args, model, specs, records, anchored, noise_seed
+            serve_args, model, specs, records, anchored, noise_seed, speed_trace=name == "trace"
         )
         sim = figures(sim_records)
         entry["variants"][name] = {
@@ -237,7 +248,10 @@ def print_table(entries: list[dict]) -> None:
             {**e, **e["variants"][name], "steps": {**e["steps"], "simulated": e["variants"][name]["steps"]}}
             for e in entries if name in e.get("variants", {})
         ]  # fmt: skip
-        if chosen:
+        if chosen and name == "trace":
+            print("\n== the profile as measured, decode-bound steps along its speed trace ==")
+            _print_table(chosen)
+        elif chosen:
             print(f"\n== the profile anchored on the probe{'s' * (name == 'both')} "
                   f"{'before the run' if name == 'before' else 'before and after the run'} ==")  # fmt: skip
             for e in chosen:
@@ -293,6 +307,9 @@ def main() -> None:
     p.add_argument("--attempts", type=int, default=2)
     p.add_argument("--anchor", action="store_true",
                    help="probe the machine's speed before and after each run (see above)")  # fmt: skip
+    p.add_argument("--speed-trace", type=float, default=0.0, metavar="SECONDS",
+                   help="measure a speed trace of this many seconds before the first run and "
+                   "simulate along it too (see above)")  # fmt: skip
     p.add_argument("--step-noise", action=argparse.BooleanOptionalAction, default=True,
                    help="simulate with step-time noise drawn from the profile's scatter "
                    "(pdserve simulate's default; --no-step-noise: the fitted times)")  # fmt: skip
@@ -312,7 +329,8 @@ def main() -> None:
         return
     if not a.profile:
         p.error("--profile is required (pdserve profile --model DIR --output FILE)")
-    profile = Profile.load(a.profile)
+    saved = json.loads(Path(a.profile).read_text())
+    profile = Profile.from_dict(saved["profile"] if "entries" in saved else saved)
     noise = a.step_noise_seed if a.step_noise else None
     if a.resimulate:
         resimulate(a, profile)
@@ -322,7 +340,14 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="sim_accuracy-"))
     print(f"logs in {workdir}\nprofile: {profile.description}")
     deps = deployments(a.linear_backend)
-    engine = profile_engine(model, a.linear_backend) if a.anchor else None
+    engine = profile_engine(model, a.linear_backend) if a.anchor or a.speed_trace else None
+    if a.speed_trace:
+        from pdserve.perf.step_profile import measure_speed
+
+        log = lambda m: print(f"  speed trace: {m}", flush=True)  # noqa: E731
+        wait_quiet()
+        speed = measure_speed(engine, profile, a.speed_trace, log=log, cores=PROBE_CORES)
+        profile = dataclasses.replace(profile, speed=speed)
     entries = []
     for wname in a.workloads.split(","):
         specs, prompts = workload(wname, a, tok)

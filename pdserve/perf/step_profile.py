@@ -26,6 +26,7 @@ an hour when others share it, and a profile keeps the speed of the minutes it wa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
@@ -42,6 +43,7 @@ from pdserve.engine.core import EngineCore
 from pdserve.perf.cost import ModelShape
 from pdserve.perf.hardware import cpu_model
 from pdserve.planner.profile import Anchor, Profile, TransferModel, WakeCost
+from pdserve.planner.speed import SpeedTrace
 from pdserve.planner.step_model import SplitStepModel, StepModel, StepShape
 from pdserve.types import SamplingParams
 
@@ -231,13 +233,7 @@ def measure_anchors(
     against the fitted model's time for them (`Anchor`). `args` must be the engine the profile
     was measured with, on the same machine. `cores`: engines by thread count kept from one call
     to the next (those missing are built and added), for a caller that probes again and again."""
-    if profile.kind != "measured":
-        raise ValueError("only a measured profile can be anchored")
-    if profile.description != (here := profile_description(args)):
-        raise ValueError(
-            f"the profile is of {profile.description!r}, this engine here is {here!r}: anchor "
-            "it with the engine flags it was measured with, on the machine it was measured on"
-        )
+    _check_measured(args, profile)
     allowed = sorted(os.sched_getaffinity(0))
     anchors = {}
     for n in sorted(profile.step_models):
@@ -261,6 +257,93 @@ def measure_anchors(
             f"x{a.prefill:.2f} (prompt) the profile's time"
         )
     return anchors
+
+
+SPEED_PROBE_STEPS = 4  # `measure_speed`: decode steps per probe, at their median
+SPEED_PROBE_CONTEXT = 256  # the probed sequence's prompt; it decodes on from one probe to the next
+
+
+def measure_speed(
+    args: EngineArgs,
+    profile: Profile,
+    seconds: float,
+    interval_s: float = 0.5,
+    log: Callable[[str], None] = print,
+    cores: dict[int, EngineCore] | None = None,
+) -> dict[int, SpeedTrace]:
+    """How this machine's speed for decode-bound steps moves (`planner.speed.SpeedTrace`), per
+    worker size of `profile`: for `seconds`, every `interval_s`, each size's engine (pinned to
+    that many of the allowed CPUs) runs `SPEED_PROBE_STEPS` decode steps of one sequence, and
+    the probe is their median time over the fitted model's for them. The sizes take turns within
+    each probe, so each sees the same stretch of the machine. The machine must be otherwise idle:
+    a probe is a sensor of the host's speed, not of a load. `cores` as in `measure_anchors`."""
+    _check_measured(args, profile)
+    allowed = sorted(os.sched_getaffinity(0))
+    sizes = sorted(profile.step_models)
+    if sizes[-1] > len(allowed):
+        raise ValueError(
+            f"the profile has a {sizes[-1]}-thread model: only {len(allowed)} CPUs here"
+        )
+    cores = {} if cores is None else cores
+    drivers = {}
+    for n in sizes:
+        with _pinned(allowed[:n]):
+            cores[n] = core = cores.get(n) or EngineCore(dataclasses.replace(args, num_threads=n))
+            drivers[n] = Driver(core, seed=time.monotonic_ns())
+            drivers[n].warm_up()
+    points: dict[int, list[tuple[float, float]]] = {n: [] for n in sizes}
+    start = time.monotonic()
+    next_probe = start
+    while (now := time.monotonic()) < start + seconds:
+        time.sleep(max(0.0, next_probe - now))
+        next_probe += interval_s
+        for n in sizes:
+            with _pinned(allowed[:n]):
+                ratio = _speed_probe(drivers[n], profile.fitted_step_model(n))
+            if ratio is not None:
+                points[n].append((time.monotonic() - start, ratio))
+    traces = {}
+    for n in sizes:
+        if len(points[n]) >= 2:
+            traces[n] = trace = SpeedTrace(tuple(points[n]))
+            log(f"{n} thread(s): {trace.describe()}")
+    return traces
+
+
+@contextlib.contextmanager
+def _pinned(cpus: list[int]):
+    """This process on `cpus` and torch on as many threads, for the block."""
+    allowed = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def _speed_probe(driver: Driver, model: StepModel) -> float | None:
+    """The median of `SPEED_PROBE_STEPS` decode steps' time over `model`'s for them; a new
+    sequence is prefilled first where none is decoding (that prefill is not counted)."""
+    sched = driver.core.scheduler
+    if not sched.has_unfinished:
+        driver.add(SPEED_PROBE_CONTEXT, 100_000)
+        driver.run(8192, until=lambda: not sched.waiting
+                   and all(r.num_output_tokens > 0 for r in sched.running))  # fmt: skip
+    driver.samples.clear()
+    driver.run(8192, until=lambda: len(driver.samples) >= SPEED_PROBE_STEPS)
+    ratios = [t / p for s, t in driver.samples if s.is_decode and (p := model.predict(s)) > 0]
+    return statistics.median(ratios) if ratios else None
+
+
+def _check_measured(args: EngineArgs, profile: Profile) -> None:
+    if profile.kind != "measured":
+        raise ValueError("only a measured profile can be anchored")
+    if profile.description != (here := profile_description(args)):
+        raise ValueError(
+            f"the profile is of {profile.description!r}, this engine here is {here!r}: anchor "
+            "it with the engine flags it was measured with, on the machine it was measured on"
+        )
 
 
 def probe_scenarios(core: EngineCore, seed: int = 1) -> list[Sample]:

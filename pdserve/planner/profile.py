@@ -19,6 +19,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pdserve.planner.speed import SpeedTrace
 from pdserve.planner.step_model import (
     ScaledStepModel,
     SplitStepModel,
@@ -160,6 +161,9 @@ class Profile:
     # measured profiles: the first step after an idle stretch, by worker size (older profiles
     # lack it: no cost)
     wake: dict[int, WakeCost] = field(default_factory=dict)
+    # measured profiles: how the machine's speed for decode-bound steps moved over a few minutes
+    # (`pdserve profile --speed-trace`), by worker size, against the fitted models
+    speed: dict[int, SpeedTrace] = field(default_factory=dict)
 
     def wake_cost(self, size: int, idle_s: float) -> float:
         """Seconds a worker of `size` adds to its first step after `idle_s` idle."""
@@ -181,6 +185,11 @@ class Profile:
         profiles, older measured ones)."""
         rows = self.samples.get(self._nearest(size)) if self.samples else None
         return StepNoise.fit(self.fitted_step_model(size), rows) if rows else None
+
+    def speed_trace(self, size: int) -> SpeedTrace | None:
+        """How the machine's speed for decode-bound steps of a worker of `size` (the nearest
+        measured size) moved against the fitted model (`SpeedTrace`); None where not measured."""
+        return self.speed.get(self._nearest(size)) if self.speed else None
 
     def fitted_step_model(self, size: int) -> StepModel:
         """The model as fitted to the profile's own steps, whatever anchors it carries."""
@@ -222,6 +231,7 @@ class Profile:
             "samples": {str(k): v for k, v in sorted(self.samples.items())},
             "anchors": {str(k): asdict(a) for k, a in sorted(self.anchors.items())},
             "wake": {str(k): [list(p) for p in w.points] for k, w in sorted(self.wake.items())},
+            "speed": {str(k): t.to_dict() for k, t in sorted(self.speed.items())},
         }
 
     @classmethod
@@ -241,6 +251,7 @@ class Profile:
                 int(k): WakeCost(tuple((float(x), float(y)) for x, y in points))
                 for k, points in d.get("wake", {}).items()
             },
+            speed={int(k): SpeedTrace.from_dict(t) for k, t in d.get("speed", {}).items()},
         )
 
     def save(self, path: str | Path) -> None:
@@ -346,7 +357,9 @@ def refit(profile: Profile, *, split_decode: bool = True) -> Profile:
         size: Anchor.measure(models[size], a.steps, a.when)
         for size, a in profile.anchors.items() if size in models
     }  # fmt: skip
-    out = dataclasses.replace(profile, step_models=models, notes=notes, anchors=anchors)
+    if profile.speed:  # its ratios were taken against the old models, and kept no steps
+        notes.append("refitted: the speed trace is left out (measure it again: --speed-trace)")
+    out = dataclasses.replace(profile, step_models=models, notes=notes, anchors=anchors, speed={})
     served = profile.serving
     if served is not None and served.calibration_steps:
         cpu = served.frontend_cpu_per_token_s + served.client_cpu_per_token_s

@@ -48,7 +48,8 @@ from pdserve.config import DisaggConfig, EngineArgs, worker_specs
 from pdserve.disagg.router import Router
 from pdserve.kv.manager import KVCacheManager
 from pdserve.planner.profile import Profile
-from pdserve.planner.step_model import StepNoise, StepShape
+from pdserve.planner.speed import SpeedPath
+from pdserve.planner.step_model import StepNoise, StepShape, noise_kind
 from pdserve.pools.pd_controller import MERGED, PDController, PhaseSLO
 from pdserve.pools.roles import LoadObserver, RoleManager, cpu_sets
 from pdserve.pools.roles import Worker as RoleView
@@ -81,6 +82,8 @@ class SimWorker:
     predict: Callable[[StepShape], float]
     step_factors: tuple[float, float] = (1.0, 1.0)  # served / in-process: decode, prompt steps
     noise: StepNoise | None = None  # where the simulation draws step-time noise
+    speed: SpeedPath | None = None  # where decode-bound steps follow the machine's speed trace
+    fitted: Callable[[StepShape], float] | None = None  # the unanchored model, with `speed`
     plan: SchedulerOutput | None = None
     step_start: float = 0.0
     wake_pending: bool = False
@@ -124,6 +127,7 @@ class Simulation:
         step_time: Callable[[SimWorker, StepShape], float] | None = None,
         local_client: bool = False,
         step_noise: bool = False,
+        speed_trace: bool = False,
         seed: int = 0,
     ) -> None:
         """`threads_per_worker` sizes a worker without a CPU set (one with `--*-cpus` counts its
@@ -132,7 +136,11 @@ class Simulation:
         machine (a benchmark), whose CPU per token the profile measured too. `step_noise`: each
         step's time takes a ratio drawn from the scatter of the profile's measured steps
         (`Profile.step_noise`; nothing where the profile kept none), from a generator seeded
-        with `seed`: the same seed, the same run."""
+        with `seed`: the same seed, the same run. `speed_trace`: decode-bound steps (decode-only
+        steps and those of a few prompt tokens) take the fitted model's time times the ratio of
+        the profile's speed trace at the step's start, along a path cut from it at seeded
+        offsets (`planner.speed`), in place of the model's anchor; one path for every worker
+        size, since they share the machine."""
         self.profile = profile
         self.disagg = disagg = disagg or DisaggConfig()
         self.now = 0.0
@@ -146,6 +154,9 @@ class Simulation:
         self._step_time = step_time
         self._noise = step_noise and step_time is None  # a replayed log holds its own times
         self._rng = random.Random(seed)
+        self._speed = speed_trace and step_time is None
+        self._speed_seed = f"speed/{seed}"  # every size's path cut at the same offsets
+        self._speed_paths: dict[int, SpeedPath | None] = {}
         kv_bytes_per_block = engine.block_size * profile.kv_bytes_per_token
         for wid, (role, args, cpus) in enumerate(worker_specs(engine, disagg)):
             cache = args.cache_config()
@@ -172,6 +183,7 @@ class Simulation:
         for w in self.workers:
             self._set_factors(w)
             self._set_noise(w)
+            self._set_speed(w)
         self.block_size = engine.block_size
         self.max_model_len = max_model_len
         self.router = Router(engine.block_size, disagg.min_prompt_tokens)
@@ -269,7 +281,11 @@ class Simulation:
             ctx_lens.append(item.request.num_computed_tokens + item.num_new_tokens)
         num_sampled = sum(item.sample for item in plan.scheduled)
         shape = StepShape.of(q_lens, ctx_lens, num_sampled)
-        duration = worker.predict(shape) * worker.step_factors[0 if shape.is_decode else 1]
+        if worker.speed is not None and noise_kind(shape) != "prompt":
+            base = worker.fitted(shape) * worker.speed.ratio(self.now)
+        else:
+            base = worker.predict(shape)
+        duration = base * worker.step_factors[0 if shape.is_decode else 1]
         if worker.noise is not None:
             duration *= worker.noise.draw(shape, self._rng, plan.num_steps)
         if self._step_time is None:  # a burst's steps in a row (a replayed log holds its time)
@@ -423,9 +439,22 @@ class Simulation:
                     w.predict = self.profile.step_model(w.size).predict
                     self._set_factors(w)
                     self._set_noise(w)
+                    self._set_speed(w)
 
     def _set_noise(self, w: SimWorker) -> None:
         w.noise = self.profile.step_noise(w.size) if self._noise else None
+
+    def _set_speed(self, w: SimWorker) -> None:
+        trace = self.profile.speed_trace(w.size) if self._speed else None
+        if trace is None:
+            w.speed = w.fitted = None
+            return
+        if w.size not in self._speed_paths:
+            self._speed_paths[w.size] = trace.path(random.Random(self._speed_seed))
+        w.speed, w.fitted = (
+            self._speed_paths[w.size],
+            self.profile.fitted_step_model(w.size).predict,
+        )
 
     def _set_factors(self, w: SimWorker) -> None:
         served = self.profile.serving
