@@ -7,6 +7,8 @@ engine flags are `pdserve serve`'s, so the profile is of the engine a deployment
 (`--linear-backend`, `--dtype`, ...). A profile keeps the steps it measured, so `--refit`
 fits them again (a later version's fit, or `--no-decode-split`) without measuring anything, and
 `--anchor` scales a profile to this machine's speed of the moment by a probe of a few seconds.
+`--speed-trace SECONDS` adds how that speed moves for decode steps over minutes
+(pdserve/planner/speed.py), which `pdserve simulate` follows.
 """
 
 from __future__ import annotations
@@ -62,6 +64,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "to --output with its step models scaled to this machine's speed of the moment (give the "
         "engine flags it was measured with); about half a minute",
     )
+    g.add_argument(
+        "--speed-trace",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="also measure how this machine's speed for decode steps moves over this many "
+        "seconds (a few decode steps per thread count every half second, on the idle machine; "
+        "e.g. 180): a shared VM's memory bandwidth moves in stretches that a profile of a few "
+        "minutes may not see, and pdserve simulate follows the trace. With --anchor, the trace "
+        "is added to that profile (default 0: none)",
+    )
     g.add_argument("--mfu", type=float, default=0.5, help="--analytic: MFU reached (0.5)")
     g.add_argument("--mbu", type=float, default=0.7, help="--analytic: MBU reached (0.7)")
     add_engine_arguments(p)
@@ -73,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
     if args.refit:
         return _refit(args)
     engine = engine_args_from(args)
+    if args.speed_trace < 0:
+        raise ValueError(f"invalid --speed-trace {args.speed_trace}: must be >= 0 seconds")
     if args.anchor:
         return _anchor(args, engine)
     if args.analytic:
@@ -102,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
             )
             profile.notes.append(note)
             print(note)
+    _add_speed_trace(args, engine, profile)
     profile.save(args.output)
     print(f"wrote {args.output}")
     return 0
@@ -150,6 +166,19 @@ def _anchor(args: argparse.Namespace, engine) -> int:
 
     profile = Profile.load(args.anchor)
     profile = profile.anchored(measure_anchors(engine, profile))
+    _add_speed_trace(args, engine, profile)
     profile.save(args.output)
     print(f"wrote {args.output}")
     return 0
+
+
+def _add_speed_trace(args: argparse.Namespace, engine, profile) -> None:
+    """`--speed-trace`: measure it into `profile` (against its fitted models) and say so."""
+    if not args.speed_trace:
+        return
+    from pdserve.perf.step_profile import measure_speed
+
+    print(f"speed trace: {args.speed_trace:.0f} s of decode probes")
+    profile.speed = measure_speed(engine, profile, args.speed_trace)
+    for size, trace in sorted(profile.speed.items()):
+        profile.notes.append(f"speed trace, {size} thread(s): {trace.describe()}")

@@ -50,6 +50,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "steps, as an analytic one, has none): percentiles that rest on a few short steps follow "
         "their scatter",
     )
+    g.add_argument(
+        "--speed-trace",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="where the profile holds a speed trace (pdserve profile --speed-trace), decode-bound "
+        "steps take the fitted time times the trace's ratio along a path cut from it at offsets "
+        "seeded by --seed (default on): a shared machine's memory bandwidth moves in stretches, "
+        "and most requests of a run sit in one stretch or another",
+    )
     g.add_argument("--output", metavar="FILE", help="write the summary and every request as JSON")
     add_engine_arguments(p)
     groups: Groups = {DISAGG_GROUP: p.add_argument_group(DISAGG_GROUP)}
@@ -85,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         threads_per_worker=args.threads_per_worker,
         local_client=args.local_client,
         step_noise=args.step_noise,
+        speed_trace=args.speed_trace,
         seed=engine.seed,
     )
     result = sim.run(specs)
@@ -113,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
                 "requests_per_wall_s": len(specs) / wall if wall else None,
                 "num_steps": len(result.steps),
                 "step_noise": args.step_noise,
+                "speed_trace": args.speed_trace and bool(profile.speed),
                 "decisions": result.decisions,
             },
             "request_rate": workload.request_rate,

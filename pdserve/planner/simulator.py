@@ -25,7 +25,9 @@ client the profile's time outside the engine after its step (measured alone and 
 takes the profile's wake cost on top (`Profile.wake`). With `step_noise`, each step's time is
 also multiplied by a ratio drawn (seeded) from how the profile's own measured steps of its kind
 lay from their fitted model (`StepNoise`): a machine's steps scatter, and a percentile resting on
-a few short steps follows the scatter. What is not
+a few short steps follows the scatter. With `speed_trace`, where the profile holds a speed trace
+(`planner.speed`), decode-bound steps take the fitted time times the trace's ratio along a
+seeded path through it: a shared machine's memory bandwidth moves in stretches. What is not
 modelled: message latencies between processes, KV transfer fallbacks and failures,
 preemption's recompute being cheaper than a first prefill (the prefix cache is modelled, so
 recompute hits cached blocks as it does for real).
@@ -48,8 +50,8 @@ from pdserve.config import DisaggConfig, EngineArgs, worker_specs
 from pdserve.disagg.router import Router
 from pdserve.kv.manager import KVCacheManager
 from pdserve.planner.profile import Profile
-from pdserve.planner.speed import SpeedPath
-from pdserve.planner.step_model import StepNoise, StepShape, noise_kind
+from pdserve.planner.speed import SpeedPath, follows_speed
+from pdserve.planner.step_model import StepModel, StepNoise, StepShape
 from pdserve.pools.pd_controller import MERGED, PDController, PhaseSLO
 from pdserve.pools.roles import LoadObserver, RoleManager, cpu_sets
 from pdserve.pools.roles import Worker as RoleView
@@ -83,7 +85,7 @@ class SimWorker:
     step_factors: tuple[float, float] = (1.0, 1.0)  # served / in-process: decode, prompt steps
     noise: StepNoise | None = None  # where the simulation draws step-time noise
     speed: SpeedPath | None = None  # where decode-bound steps follow the machine's speed trace
-    fitted: Callable[[StepShape], float] | None = None  # the unanchored model, with `speed`
+    fitted: StepModel | None = None  # the unanchored model, with `speed`
     plan: SchedulerOutput | None = None
     step_start: float = 0.0
     wake_pending: bool = False
@@ -136,8 +138,8 @@ class Simulation:
         machine (a benchmark), whose CPU per token the profile measured too. `step_noise`: each
         step's time takes a ratio drawn from the scatter of the profile's measured steps
         (`Profile.step_noise`; nothing where the profile kept none), from a generator seeded
-        with `seed`: the same seed, the same run. `speed_trace`: decode-bound steps (decode-only
-        steps and those of a few prompt tokens) take the fitted model's time times the ratio of
+        with `seed`: the same seed, the same run. `speed_trace`: decode-bound steps (those of a
+        few rows, `planner.speed.follows_speed`) take the fitted model's time times the ratio of
         the profile's speed trace at the step's start, along a path cut from it at seeded
         offsets (`planner.speed`), in place of the model's anchor; one path for every worker
         size, since they share the machine."""
@@ -281,8 +283,8 @@ class Simulation:
             ctx_lens.append(item.request.num_computed_tokens + item.num_new_tokens)
         num_sampled = sum(item.sample for item in plan.scheduled)
         shape = StepShape.of(q_lens, ctx_lens, num_sampled)
-        if worker.speed is not None and noise_kind(shape) != "prompt":
-            base = worker.fitted(shape) * worker.speed.ratio(self.now)
+        if worker.speed is not None and follows_speed(shape, worker.fitted):
+            base = worker.fitted.predict(shape) * worker.speed.ratio(self.now)
         else:
             base = worker.predict(shape)
         duration = base * worker.step_factors[0 if shape.is_decode else 1]
@@ -451,10 +453,7 @@ class Simulation:
             return
         if w.size not in self._speed_paths:
             self._speed_paths[w.size] = trace.path(random.Random(self._speed_seed))
-        w.speed, w.fitted = (
-            self._speed_paths[w.size],
-            self.profile.fitted_step_model(w.size).predict,
-        )
+        w.speed, w.fitted = self._speed_paths[w.size], self.profile.fitted_step_model(w.size)
 
     def _set_factors(self, w: SimWorker) -> None:
         served = self.profile.serving

@@ -14,7 +14,8 @@ run's way through it: blocks of `BLOCK_S` seconds cut from the trace at random o
 and laid end to end, so a run meets the stretches, their lengths and the share of time in each
 as the machine showed them (a block bootstrap), without a model of the host's behaviour. The
 simulator multiplies decode-bound steps (decode-only steps and steps of a few prompt tokens) by
-the path's ratio at the step's start.
+the path's ratio at the step's start, where the step is one that follows the machine's memory
+bandwidth (`follows_speed`): one whose matrix products have a few rows, as the probes' do.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+
+from pdserve.planner.step_model import StepModel, StepShape
 
 BLOCK_S = 30.0  # a path's blocks: long enough to keep the stretches a trace shows
 
@@ -92,3 +95,17 @@ class SpeedPath:
             self.offsets.append(self.rng.uniform(0.0, self.trace.seconds - self.block_s))
         i = bisect.bisect_right(self.starts, t) - 1
         return self.trace.ratio_at(self.offsets[i] + t - self.starts[i])
+
+
+def follows_speed(shape: StepShape, model: StepModel) -> bool:
+    """Whether a step moves with the machine's memory bandwidth as the trace's probes do: one
+    whose matrix products have at most the few rows of `model`'s narrow decode kernel (a split
+    model's `wide_rows`: one pass over the weights for all of them, bound by the bandwidth),
+    decode or not; where the model fits no wide batches apart, a decode-only step. Past the
+    kernel's tile the products do more arithmetic per byte read: on a 2-core Zen 4, decode
+    batches of 1 and 4 ran at x1.25-1.55 their fit in the slow stretches and x0.8-0.9 in the
+    fast ones, batches of 8 at x0.87-1.1 in both."""
+    wide_rows = getattr(model, "wide_rows", 0) if getattr(model, "wide_decode", None) else 0
+    if wide_rows:
+        return sum(shape.q_lens) <= wide_rows
+    return shape.is_decode

@@ -119,3 +119,23 @@ def test_a_measured_profile_fits_this_machine(stories_path, tmp_path):
         assert result["summary"]["completed"] == 20
         runs[name] = [r["token_times"] for r in result["requests"]]
     assert runs["a"] == runs["b"] != runs["quiet"]
+    # a speed trace of the same engine, added to an anchored copy: decode probes against the fit
+    traced = tmp_path / "traced.json"
+    text = pdserve("profile", "--model", stories_path, "--anchor", str(prof),
+                   "--speed-trace", "3", "--output", str(traced))  # fmt: skip
+    assert "speed trace" in text and "probes over" in text
+    t = json.loads(traced.read_text())
+    points = t["speed"]["1"]
+    assert len(points) >= 3 and all(r > 0 for _, r in points)
+    assert [p[0] for p in points] == sorted(p[0] for p in points) and points[-1][0] <= 3.5
+    assert any(n.startswith("speed trace, 1 thread(s):") for n in t["notes"])
+    # simulated along it: the same for a seed, not the same without it
+    runs = {}
+    for name, flags in (("a", []), ("b", []), ("off", ["--no-speed-trace"])):
+        out = tmp_path / f"traced-{name}.json"
+        pdserve("simulate", "--profile", str(traced), "--model", stories_path, "--no-step-noise",
+                *WORKLOAD, *flags, "--output", str(out))  # fmt: skip
+        result = json.loads(out.read_text())
+        assert result["simulation"]["speed_trace"] == (name != "off")
+        runs[name] = [r["token_times"] for r in result["requests"]]
+    assert runs["a"] == runs["b"] != runs["off"]
