@@ -233,7 +233,7 @@ def measure_anchors(
     against the fitted model's time for them (`Anchor`). `args` must be the engine the profile
     was measured with, on the same machine. `cores`: engines by thread count kept from one call
     to the next (those missing are built and added), for a caller that probes again and again."""
-    _check_measured(args, profile)
+    _check_measured(args, profile, "anchor")
     allowed = sorted(os.sched_getaffinity(0))
     anchors = {}
     for n in sorted(profile.step_models):
@@ -277,7 +277,7 @@ def measure_speed(
     the probe is their median time over the fitted model's for them. The sizes take turns within
     each probe, so each sees the same stretch of the machine. The machine must be otherwise idle:
     a probe is a sensor of the host's speed, not of a load. `cores` as in `measure_anchors`."""
-    _check_measured(args, profile)
+    _check_measured(args, profile, "trace")
     allowed = sorted(os.sched_getaffinity(0))
     sizes = sorted(profile.step_models)
     if sizes[-1] > len(allowed):
@@ -302,6 +302,9 @@ def measure_speed(
                 ratio = _speed_probe(drivers[n], profile.fitted_step_model(n))
             if ratio is not None:
                 points[n].append((time.monotonic() - start, ratio))
+    for driver in drivers.values():  # a kept engine is left with nothing to run
+        sched = driver.core.scheduler
+        driver.core.abort_requests([r.request_id for r in (*sched.running, *sched.waiting)])
     traces = {}
     for n in sizes:
         if len(points[n]) >= 2:
@@ -336,12 +339,13 @@ def _speed_probe(driver: Driver, model: StepModel) -> float | None:
     return statistics.median(ratios) if ratios else None
 
 
-def _check_measured(args: EngineArgs, profile: Profile) -> None:
+def _check_measured(args: EngineArgs, profile: Profile, what: str) -> None:
+    """`profile` is a measured one of the engine `args` describe, to `what` ("anchor")."""
     if profile.kind != "measured":
-        raise ValueError("only a measured profile can be anchored")
+        raise ValueError(f"only a measured profile can be {what.removesuffix('e')}ed")
     if profile.description != (here := profile_description(args)):
         raise ValueError(
-            f"the profile is of {profile.description!r}, this engine here is {here!r}: anchor "
+            f"the profile is of {profile.description!r}, this engine here is {here!r}: {what} "
             "it with the engine flags it was measured with, on the machine it was measured on"
         )
 

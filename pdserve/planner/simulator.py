@@ -158,7 +158,7 @@ class Simulation:
         self._rng = random.Random(seed)
         self._speed = speed_trace and step_time is None
         self._speed_seed = f"speed/{seed}"  # every size's path cut at the same offsets
-        self._speed_paths: dict[int, SpeedPath | None] = {}
+        self._speed_paths: dict[int, SpeedPath] = {}
         kv_bytes_per_block = engine.block_size * profile.kv_bytes_per_token
         for wid, (role, args, cpus) in enumerate(worker_specs(engine, disagg)):
             cache = args.cache_config()

@@ -103,8 +103,8 @@ def follows_speed(shape: StepShape, model: StepModel) -> bool:
     model's `wide_rows`: one pass over the weights for all of them, bound by the bandwidth),
     decode or not; where the model fits no wide batches apart, a decode-only step. Past the
     kernel's tile the products do more arithmetic per byte read: on a 2-core Zen 4, decode
-    batches of 1 and 4 ran at x1.25-1.55 their fit in the slow stretches and x0.8-0.9 in the
-    fast ones, batches of 8 at x0.87-1.1 in both."""
+    batches of 1 and 4 ran at x1.18-1.56 their fit in the slow stretches and x0.8-1.0 in the
+    fast ones, batches of 8 at x0.87-1.11 in both (one probe of 18 at x1.30)."""
     wide_rows = getattr(model, "wide_rows", 0) if getattr(model, "wide_decode", None) else 0
     if wide_rows:
         return sum(shape.q_lens) <= wide_rows
