@@ -108,14 +108,22 @@ def main() -> None:
     pinned_to(allowed)
     col = {k: [r[k] for r in rows] for k in rows[0]}
     print("\np10 / p50 / p90 over the windows:")
-    for k, label in (("decode_2t_ms", "decode, 2 threads, ms"), ("gflops", "matmul GFLOP/s"),
-                     ("read_gbps", "read GB/s"), ("decode_1t_ms", "decode, 1 thread, ms")):  # fmt: skip
+    labels = {
+        "decode_2t_ms": "decode, 2 threads, ms",
+        "gflops": "matmul GFLOP/s",
+        "read_gbps": "read GB/s",
+        "decode_1t_ms": "decode, 1 thread, ms",
+    }
+    for k, label in labels.items():
         print(f"  {label:24s} {spread(col[k])}")
+    decode = col["decode_2t_ms"]
     inv = lambda xs: [1 / x for x in xs]  # noqa: E731
-    print("correlation of the two-thread decode step with: 1 / GFLOP/s "
-          f"{correlation(col['decode_2t_ms'], inv(col['gflops'])):+.2f}, 1 / read GB/s "
-          f"{correlation(col['decode_2t_ms'], inv(col['read_gbps'])):+.2f}; "
-          f"the one-thread step {correlation(col['decode_2t_ms'], col['decode_1t_ms']):+.2f}")  # fmt: skip
+    print(
+        "correlation of the two-thread decode step with: "
+        f"1 / GFLOP/s {correlation(decode, inv(col['gflops'])):+.2f}, "
+        f"1 / read GB/s {correlation(decode, inv(col['read_gbps'])):+.2f}; "
+        f"the one-thread step {correlation(decode, col['decode_1t_ms']):+.2f}"
+    )
     if a.output:
         res = {"machine": machine_info(), "code": code_info(), "args": vars(a), "windows": rows}
         Path(a.output).write_text(json.dumps(res, indent=1))

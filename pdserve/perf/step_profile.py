@@ -14,14 +14,16 @@ recorded, and a `SplitStepModel` (decode-only steps fitted apart, wide decode ba
 again where that fits them better) per thread count, with what an idle stretch adds to the step
 after it (`measure_wake`: the cores' clocks, sleeping threads and cold caches); the fit's error
 on the measured steps is printed and kept in the profile's notes, and the steps themselves in
-the profile, so that a later fit can use them again (`pdserve profile --refit`). KV transfers: `shm` is a copy into shared
-memory, so its rate is this machine's measured copy bandwidth; `tcp` is measured by sending
-1 MiB frames over a loopback ZMQ socket.
+the profile, so that a later fit can use them again (`pdserve profile --refit`). KV transfers:
+`shm` is a copy into shared memory, so its rate is this machine's measured copy bandwidth; `tcp`
+is measured by sending 1 MiB frames over a loopback ZMQ socket.
 
 `measure_anchors` (`pdserve profile --anchor`) runs a few seconds of the same shapes on an
 existing profile's thread counts and measures how much faster or slower they run now than the
 profile's model says (`planner.profile.Anchor`): this machine's speed moves by 5-20% within half
 an hour when others share it, and a profile keeps the speed of the minutes it was measured in.
+`measure_speed` (`pdserve profile --speed-trace`) follows that speed for minutes, a probe of a
+few decode steps every half second (`planner.speed.SpeedTrace`).
 """
 
 from __future__ import annotations

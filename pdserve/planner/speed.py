@@ -1,11 +1,12 @@
 """How a shared machine's speed moves over time, and a simulated run's way through it (no torch).
 
 A virtual machine's memory bandwidth is the host's to give. On a 2-core Zen 4 VM, compute held
-at 200 GFLOP/s while the bandwidth two threads could read moved between about 34 and 55 GB/s,
-in stretches of seconds to minutes, and two-thread decode steps of llama-125m moved with it
-(15.5 and 10.5 ms); one thread never reads fast enough to notice. A step model fitted in one
-stretch is off by up to 1.5x in another, and a constant anchor puts every simulated request at
-the mix's mean, where a served run has most of its requests in one level or the other.
+at about 180-200 GFLOP/s while the bandwidth two threads could read moved between about 31-35
+and 54-55 GB/s, in stretches of seconds to minutes, and two-thread decode steps of llama-125m
+moved with it (15.5-20 and 10.5-13 ms; `benchmarks/speed_levels_bench.py`); one thread never
+reads fast enough to notice. A step model fitted in one stretch is off by up to 1.5x in another,
+and a constant anchor puts every simulated request at the mix's mean, where a served run has
+most of its requests in one level or the other.
 
 A `SpeedTrace` is what `pdserve profile --speed-trace SECONDS` measures on the idle machine: every
 half second, a few decode steps of one sequence per worker size, each probe their median time
@@ -13,9 +14,8 @@ over the fitted model's (`perf.step_profile.measure_speed`). A `SpeedPath` is on
 run's way through it: blocks of `BLOCK_S` seconds cut from the trace at random offsets (seeded)
 and laid end to end, so a run meets the stretches, their lengths and the share of time in each
 as the machine showed them (a block bootstrap), without a model of the host's behaviour. The
-simulator multiplies decode-bound steps (decode-only steps and steps of a few prompt tokens) by
-the path's ratio at the step's start, where the step is one that follows the machine's memory
-bandwidth (`follows_speed`): one whose matrix products have a few rows, as the probes' do.
+simulator multiplies the steps that move with the memory bandwidth (`follows_speed`: those whose
+matrix products have a few rows, as the probes' do) by the path's ratio at the step's start.
 """
 
 from __future__ import annotations
