@@ -73,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "seconds (a few decode steps per thread count every half second, on the idle machine; "
         "e.g. 180): a shared VM's memory bandwidth moves in stretches that a profile of a few "
         "minutes may not see, and pdserve simulate follows the trace. With --anchor, the trace "
-        "is added to that profile (default 0: none)",
+        "is added to that profile; at most 3600, not with --refit or --analytic (default 0: none)",
     )
     g.add_argument("--mfu", type=float, default=0.5, help="--analytic: MFU reached (0.5)")
     g.add_argument("--mbu", type=float, default=0.7, help="--analytic: MBU reached (0.7)")
@@ -83,11 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pdserve.commands.engine_args import engine_args_from
 
+    check_speed_trace(args)
     if args.refit:
         return _refit(args)
     engine = engine_args_from(args)
-    if args.speed_trace < 0:
-        raise ValueError(f"invalid --speed-trace {args.speed_trace}: must be >= 0 seconds")
     if args.anchor:
         return _anchor(args, engine)
     if args.analytic:
@@ -170,6 +169,21 @@ def _anchor(args: argparse.Namespace, engine) -> int:
     profile.save(args.output)
     print(f"wrote {args.output}")
     return 0
+
+
+MAX_SPEED_TRACE_S = 3600.0
+
+
+def check_speed_trace(args: argparse.Namespace) -> None:
+    """`--speed-trace` in range, and only where something measured takes it."""
+    seconds = args.speed_trace
+    if not 0 <= seconds <= MAX_SPEED_TRACE_S:  # NaN fails too
+        raise ValueError(
+            f"invalid --speed-trace {seconds}: must be 0 to {MAX_SPEED_TRACE_S:.0f} seconds"
+        )
+    if seconds and (args.refit or args.analytic):
+        flag = "--refit" if args.refit else "--analytic"
+        raise ValueError(f"--speed-trace measures this machine: not with {flag}")
 
 
 def _add_speed_trace(args: argparse.Namespace, engine, profile) -> None:
