@@ -18,6 +18,7 @@ from pdserve.disagg.connector.base import KVConnector
 from pdserve.engine import c_heap, cpu_placement
 from pdserve.engine.cpu_placement import PlacementMonitor
 from pdserve.engine.stats import StepStats, StepStatsRecorder
+from pdserve.engine.thread_binding import bound_step
 from pdserve.kv.manager import KVCacheManager
 from pdserve.request import Request
 from pdserve.runner.kv_offload import BlockMover, build_stack
@@ -227,9 +228,10 @@ class EngineCore:
 
     def execute(self, plan) -> list[EngineCoreOutput]:
         """Run a scheduled plan: forward, sample, update (for callers that act between)."""
-        t0 = time.perf_counter()
-        result = self.runner.execute(plan, self.kv.req_block_ids)
-        t1 = time.perf_counter()
+        with bound_step():
+            t0 = time.perf_counter()
+            result = self.runner.execute(plan, self.kv.req_block_ids)
+            t1 = time.perf_counter()
         if self.offload is not None and plan.num_decode_tokens == 0:
             self.kv.tier.cost.observe_prefill(plan.num_prefill_tokens, t1 - t0)
         outputs = self.scheduler.update(

@@ -19,6 +19,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from pdserve.engine import thread_binding
+
 logger = logging.getLogger("pdserve.placement")
 
 BUSY_THRESHOLD = 0.5  # a CPU busier than this with other work is not ours to use
@@ -134,12 +136,14 @@ def apply(placement: Placement) -> None:
         _UNPINNED = set(os.sched_getaffinity(0))
     os.sched_setaffinity(0, placement.cpus)
     torch.set_num_threads(placement.num_threads)
+    thread_binding.forget()
 
 
 def unpin() -> None:
     """Undo an earlier engine's pinning (before threads are set by hand, `--num-threads`)."""
     if _UNPINNED is not None:
         os.sched_setaffinity(0, _UNPINNED)
+        thread_binding.forget()
 
 
 def parse_cpu_set(text: str) -> frozenset[int]:
@@ -171,6 +175,7 @@ def run_on(cpus: set[int] | frozenset[int]) -> None:
         except ProcessLookupError:  # the thread ended meanwhile
             continue
     torch.set_num_threads(len(cpus))
+    thread_binding.forget()  # the team's threads were moved onto the whole set
 
 
 def measure(allowed: set[int], ours=("self",), seconds: float = SAMPLE_S) -> Placement:

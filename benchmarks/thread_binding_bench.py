@@ -1,0 +1,158 @@
+"""Short prompt steps after an idle stretch, served, with and without the step's thread binding.
+
+    git worktree add /tmp/base REV      # a checkout without `engine/thread_binding.py`
+    python benchmarks/thread_binding_bench.py --baseline /tmp/base [--rounds 4] [--requests 20]
+
+A conversation's next turn reaches an idle server and computes a few tokens over its cached
+context. Each round starts `pdserve serve` (llama-125m, float32, colocated on all allowed CPUs,
+chunks of 256) from this checkout and from the baseline in turn (`PYTHONPATH`), and sends
+`--requests` requests one at a time, each after 0.3 s idle: 14-token prompts, alternately fresh
+and after a 352-token prompt sent just before (a prefix hit). For each: the worker's step time
+(its /metrics histogram), the client's TTFT, and how long the worker's threads waited on a run
+queue meanwhile (`/proc/PID/task/*/schedstat`: two compute threads on one CPU take turns).
+Reported per checkout: medians and p90s, the share of requests whose threads waited more than
+5 ms, and this checkout's medians over the baseline's from the same rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from lib.machine import code_info, machine_info  # noqa: E402
+from lib.paths import DEFAULT_125M, ensure_125m  # noqa: E402
+from lib.quiet import wait_quiet  # noqa: E402
+from lib.server import Server, metric_sums  # noqa: E402
+
+PROMPT, CONTEXT, IDLE_S, WAITED_S = 14, 352, 0.3, 0.005
+
+
+def run_queue_wait(pid: int) -> float:
+    """Seconds the process's threads have waited on a run queue, all together."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
+            continue
+    return total / 1e9
+
+
+def prompt_steps(srv: Server) -> tuple[float, float]:
+    text = srv.metrics()
+    sums = metric_sums(text, "pdserve_step_time_seconds_sum")
+    counts = metric_sums(text, "pdserve_step_time_seconds_count")
+    keys = [k for k in sums if 'phase="prefill"' in k]
+    return sum(sums[k] for k in keys), sum(counts[k] for k in keys)
+
+
+def stream(client: httpx.Client, url: str, ids: list[int]) -> float:
+    """Send one request (one token out); its TTFT."""
+    body = {"model": "llama-125m", "prompt": ids, "max_tokens": 1, "stream": True,
+            "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+    t0 = time.perf_counter()
+    first = None
+    with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if first is None and line.startswith("data: {"):
+                first = time.perf_counter() - t0
+    return first
+
+
+def serve_round(checkout: Path, model: str, requests: int, rng: random.Random, log: Path):
+    env = {"PYTHONPATH": str(checkout)}
+    args = ["--model", model, "--max-num-batched-tokens", "256"]
+    out = []
+    with Server(args, log, env=env) as srv, httpx.Client(timeout=60, trust_env=False) as client:
+        (worker,) = srv.workers.values()
+        token = lambda: rng.randrange(100, 30000)  # noqa: E731  (llama-125m: 32,000)
+        stream(client, srv.base_url, [token() for _ in range(64)])  # warm
+        for i in range(requests):
+            prefix = []
+            if i % 2:  # a prefix hit: the context computed just before
+                prefix = [token() for _ in range(CONTEXT)]
+                stream(client, srv.base_url, prefix)
+            time.sleep(IDLE_S)
+            s0, n0 = prompt_steps(srv)
+            w0 = run_queue_wait(worker)
+            ttft = stream(client, srv.base_url, prefix + [token() for _ in range(PROMPT)])
+            w1 = run_queue_wait(worker)
+            s1, n1 = prompt_steps(srv)
+            if n1 > n0:
+                out.append({"hit": bool(prefix), "step_s": (s1 - s0) / (n1 - n0),
+                            "ttft_s": ttft, "waited_s": w1 - w0})  # fmt: skip
+    return out
+
+
+def summary(rows: list[dict]) -> dict:
+    def q(key, p):
+        xs = sorted(r[key] for r in rows)
+        return 1e3 * xs[min(len(xs) - 1, int(p * len(xs)))]
+
+    return {
+        "requests": len(rows),
+        "step_ms_p50": 1e3 * statistics.median(r["step_s"] for r in rows),
+        "step_ms_p90": q("step_s", 0.9),
+        "ttft_ms_p50": 1e3 * statistics.median(r["ttft_s"] for r in rows),
+        "ttft_ms_p90": q("ttft_s", 0.9),
+        "waited_share": sum(r["waited_s"] > WAITED_S for r in rows) / len(rows),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--baseline", required=True, type=Path, help="a checkout to compare with")
+    p.add_argument("--model", default=None, help=f"model folder (default {DEFAULT_125M})")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--requests", type=int, default=20, help="per server start")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", type=Path)
+    a = p.parse_args()
+    model = a.model or ensure_125m(DEFAULT_125M)
+    checkouts = {"baseline": a.baseline.resolve(), "this": HERE.parent}
+    rng = random.Random(a.seed)
+    rows: dict[str, list[dict]] = {k: [] for k in checkouts}
+    logs = Path(os.environ.get("TMPDIR", "/tmp")) / "thread_binding_bench"
+    logs.mkdir(exist_ok=True)
+    for r in range(a.rounds):
+        for name, checkout in checkouts.items():
+            wait_quiet()
+            rows[name] += serve_round(checkout, model, a.requests, rng, logs / f"{name}.log")
+            s = summary(rows[name])
+            print(f"round {r + 1} {name}: step {s['step_ms_p50']:.1f} ms p50, "
+                  f"TTFT {s['ttft_ms_p50']:.1f} ms p50, waited {s['waited_share']:.0%}", flush=True)  # fmt: skip
+    result = {"machine": machine_info(), "code": code_info(), "args": vars(a) | {"model": model},
+              "baseline": summary(rows["baseline"]), "this": summary(rows["this"]), "rows": rows}  # fmt: skip
+    for part in ("hit", "fresh"):
+        for name in checkouts:
+            sub = [x for x in rows[name] if x["hit"] == (part == "hit")]
+            if sub:
+                result[f"{name}_{part}"] = summary(sub)
+    b, t = result["baseline"], result["this"]
+    print(
+        f"{'':10s} {'step p50':>9s} {'step p90':>9s} {'TTFT p50':>9s} {'TTFT p90':>9s} waited>5ms"
+    )
+    for name in checkouts:
+        s = result[name]
+        print(f"{name:10s} {s['step_ms_p50']:9.1f} {s['step_ms_p90']:9.1f} {s['ttft_ms_p50']:9.1f} "
+              f"{s['ttft_ms_p90']:9.1f} {s['waited_share']:9.0%}")  # fmt: skip
+    print(f"this / baseline: step p50 x{t['step_ms_p50'] / b['step_ms_p50']:.2f}, "
+          f"TTFT p50 x{t['ttft_ms_p50'] / b['ttft_ms_p50']:.2f}")  # fmt: skip
+    if a.output:
+        a.output.write_text(json.dumps(result, indent=1, default=str))
+        print(f"wrote {a.output}")
+
+
+if __name__ == "__main__":
+    main()
