@@ -11,7 +11,9 @@ and after a 352-token prompt sent just before (a prefix hit). For each: the work
 (its /metrics histogram), the client's TTFT, and how long the worker's threads waited on a run
 queue meanwhile (`/proc/PID/task/*/schedstat`: two compute threads on one CPU take turns).
 Reported per checkout: medians and p90s, the share of requests whose threads waited more than
-5 ms, and this checkout's medians over the baseline's from the same rounds.
+5 ms, and this checkout's medians over the baseline's from the same rounds. Then, on the same
+server, a decode load (`--load` requests of 128 prompt and 64 output tokens, 4 at a time): its
+TPOT p50 and output tokens/s, the steps that bind their threads on the busy path.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ sys.path.insert(0, str(HERE))
 from lib.machine import code_info, machine_info  # noqa: E402
 from lib.paths import DEFAULT_125M, ensure_125m  # noqa: E402
 from lib.quiet import wait_quiet  # noqa: E402
-from lib.server import Server, metric_sums  # noqa: E402
+from lib.server import Server, metric_sums, prompts_for, send  # noqa: E402
+
+from pdserve.bench.metrics import latency_stats  # noqa: E402
 
 PROMPT, CONTEXT, IDLE_S, WAITED_S = 14, 352, 0.3, 0.005
 
@@ -70,7 +74,9 @@ def stream(client: httpx.Client, url: str, ids: list[int]) -> float:
     return first
 
 
-def serve_round(checkout: Path, model: str, requests: int, rng: random.Random, log: Path):
+def serve_round(
+    checkout: Path, model: str, requests: int, load: list, rng: random.Random, log: Path
+) -> tuple[list[dict], dict]:
     env = {"PYTHONPATH": str(checkout)}
     args = ["--model", model, "--max-num-batched-tokens", "256"]
     out = []
@@ -92,7 +98,12 @@ def serve_round(checkout: Path, model: str, requests: int, rng: random.Random, l
             if n1 > n0:
                 out.append({"hit": bool(prefix), "step_s": (s1 - s0) / (n1 - n0),
                             "ttft_s": ttft, "waited_s": w1 - w0})  # fmt: skip
-    return out
+        t0 = time.perf_counter()
+        done = [r for r in send(load, srv.base_url, model, 4) if r.status == "completed"]
+        wall = time.perf_counter() - t0
+    decode = {"tpot_ms_p50": latency_stats(r.tpot for r in done)["p50"],
+              "tokens_per_s": sum(r.num_output_tokens for r in done) / wall}  # fmt: skip
+    return out, decode
 
 
 def summary(rows: list[dict]) -> dict:
@@ -116,6 +127,7 @@ def main() -> None:
     p.add_argument("--model", default=None, help=f"model folder (default {DEFAULT_125M})")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--requests", type=int, default=20, help="per server start")
+    p.add_argument("--load", type=int, default=16, help="decode-load requests per server start")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path)
     a = p.parse_args()
@@ -123,17 +135,24 @@ def main() -> None:
     checkouts = {"baseline": a.baseline.resolve(), "this": HERE.parent}
     rng = random.Random(a.seed)
     rows: dict[str, list[dict]] = {k: [] for k in checkouts}
+    loads: dict[str, list[dict]] = {k: [] for k in checkouts}
+    load = prompts_for(model, a.load, 128, 64, a.seed)
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / "thread_binding_bench"
     logs.mkdir(exist_ok=True)
     for r in range(a.rounds):
         for name, checkout in checkouts.items():
             wait_quiet()
-            rows[name] += serve_round(checkout, model, a.requests, rng, logs / f"{name}.log")
+            got, decode = serve_round(checkout, model, a.requests, load, rng, logs / f"{name}.log")
+            rows[name] += got
+            loads[name].append(decode)
             s = summary(rows[name])
             print(f"round {r + 1} {name}: step {s['step_ms_p50']:.1f} ms p50, "
-                  f"TTFT {s['ttft_ms_p50']:.1f} ms p50, waited {s['waited_share']:.0%}", flush=True)  # fmt: skip
+                  f"TTFT {s['ttft_ms_p50']:.1f} ms p50, waited {s['waited_share']:.0%}; load TPOT "
+                  f"{decode['tpot_ms_p50']:.1f} ms p50, {decode['tokens_per_s']:.1f} tokens/s",
+                  flush=True)  # fmt: skip
     result = {"machine": machine_info(), "code": code_info(), "args": vars(a) | {"model": model},
-              "baseline": summary(rows["baseline"]), "this": summary(rows["this"]), "rows": rows}  # fmt: skip
+              "baseline": summary(rows["baseline"]), "this": summary(rows["this"]), "rows": rows,
+              "loads": loads}  # fmt: skip
     for part in ("hit", "fresh"):
         for name in checkouts:
             sub = [x for x in rows[name] if x["hit"] == (part == "hit")]
@@ -147,8 +166,15 @@ def main() -> None:
         s = result[name]
         print(f"{name:10s} {s['step_ms_p50']:9.1f} {s['step_ms_p90']:9.1f} {s['ttft_ms_p50']:9.1f} "
               f"{s['ttft_ms_p90']:9.1f} {s['waited_share']:9.0%}")  # fmt: skip
+    med = {n: {k: statistics.median(x[k] for x in loads[n]) for k in loads[n][0]} for n in loads}
+    result["load_median"] = med
+    for name in checkouts:
+        print(f"{name:10s} load: TPOT p50 {med[name]['tpot_ms_p50']:.1f} ms, "
+              f"{med[name]['tokens_per_s']:.1f} tokens/s (median of the rounds)")  # fmt: skip
     print(f"this / baseline: step p50 x{t['step_ms_p50'] / b['step_ms_p50']:.2f}, "
-          f"TTFT p50 x{t['ttft_ms_p50'] / b['ttft_ms_p50']:.2f}")  # fmt: skip
+          f"TTFT p50 x{t['ttft_ms_p50'] / b['ttft_ms_p50']:.2f}, load TPOT p50 "
+          f"x{med['this']['tpot_ms_p50'] / med['baseline']['tpot_ms_p50']:.2f}, tokens/s "
+          f"x{med['this']['tokens_per_s'] / med['baseline']['tokens_per_s']:.2f}")  # fmt: skip
     if a.output:
         a.output.write_text(json.dumps(result, indent=1, default=str))
         print(f"wrote {a.output}")
