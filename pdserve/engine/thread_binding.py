@@ -73,8 +73,18 @@ def bound_step() -> Iterator[None]:
     if cpus is None or not _bind(cpus):
         yield
         return
-    os.sched_setaffinity(0, (cpus[0],))
+    try:
+        os.sched_setaffinity(0, (cpus[0],))
+    except OSError as e:  # the CPU left this process's cpuset meanwhile: run the step as it is
+        logger.warning("engine thread not bound to CPU %d for a step: %s", cpus[0], e)
+        forget()
+        yield
+        return
     try:
         yield
     finally:
-        os.sched_setaffinity(0, cpus)
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as e:
+            logger.warning("engine thread's CPUs %s not given back: %s", list(cpus), e)
+            forget()

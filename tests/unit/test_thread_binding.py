@@ -70,3 +70,21 @@ def test_a_step_runs_one_thread_per_cpu_and_gives_the_calling_thread_its_set_bac
 
 def test_engine_steps_bind_their_threads(tiny_models):
     run(ENGINE, tiny_models["llama"])
+
+
+def test_a_cpu_that_cannot_be_bound_leaves_the_step_to_run_unbound(monkeypatch):
+    """A CPU set that changed under the engine (a cpuset shrunk) must not fail a step."""
+    import torch
+
+    from pdserve.engine import thread_binding
+
+    def refuse(pid, cpus):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(thread_binding, "_cpus_to_bind", lambda: (0, 1))
+    monkeypatch.setattr(thread_binding, "_bind", lambda cpus: True)
+    monkeypatch.setattr(thread_binding.os, "sched_setaffinity", refuse)
+    ran = False
+    with thread_binding.bound_step():
+        ran = bool(torch.ones(2).sum() == 2)
+    assert ran and thread_binding._bound is None  # bound again at a later step
