@@ -153,17 +153,21 @@ def test_auto_control_switches_from_the_load_and_serves_on(stories_path, offline
         s.stop()
 
 
-def thread_cpus(pid: int) -> set[frozenset[int]]:
-    """The CPU sets the threads of a process may run on, as the kernel reports them."""
+def thread_cpus(pid: int) -> frozenset[int]:
+    """The CPUs the threads of a process may run on together, as the kernel reports them.
+
+    A union: the engine binds each compute thread to one CPU of its placement for its steps
+    (engine/thread_binding.py), so a placement shows as threads that cover its set and never
+    leave it."""
     from pdserve.engine.cpu_placement import parse_cpu_set
 
-    out = set()
+    out: set[int] = set()
     for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(OSError):
             with open(f"/proc/{pid}/task/{tid}/status") as f:
                 line = next(x for x in f if x.startswith("Cpus_allowed_list:"))
-            out.add(parse_cpu_set(line.split(":", 1)[1].strip()))
-    return out
+            out |= parse_cpu_set(line.split(":", 1)[1].strip())
+    return frozenset(out)
 
 
 def merge(server):
@@ -193,8 +197,8 @@ def test_merged_workers_lend_their_cpus_and_switch_under_load_losing_nothing(sto
             return next(w.get("threads") for w in deployment(s)["workers"] if w["id"] == wid)
 
         wait_until(lambda: threads(host["id"]) == 2, "the host on both CPUs")
-        assert thread_cpus(host["placement"]["pid"]) == {frozenset({c0, c1})}
-        assert thread_cpus(parked["placement"]["pid"]) == {frozenset(own[parked["id"]])}
+        assert thread_cpus(host["placement"]["pid"]) == {c0, c1}
+        assert thread_cpus(parked["placement"]["pid"]) == own[parked["id"]]
         assert threads(parked["id"]) in (None, 1)  # it has reported no step yet, or one thread
         assert s.metric("pdserve_workers", 'role="parked"') == 1
 
@@ -208,7 +212,7 @@ def test_merged_workers_lend_their_cpus_and_switch_under_load_losing_nothing(sto
         )
         assert switch(s, 1).json()["split"] == "1P+1D"  # the parked worker prefills again
         wait_until(lambda: threads(host["id"]) == 1, "the host back on its own CPU")
-        assert thread_cpus(host["placement"]["pid"]) == {frozenset(own[host["id"]])}
+        assert thread_cpus(host["placement"]["pid"]) == own[host["id"]]
         pending += run_batch(s, prompts, results)
         wait_until(
             lambda: s.metric("pdserve_router_decisions_total", 'decision="remote"') > 0,
@@ -227,7 +231,7 @@ def test_merged_workers_lend_their_cpus_and_switch_under_load_losing_nothing(sto
         d = deployment(s)
         host = next(w for w in d["workers"] if w["role"] == "both")
         wait_until(lambda: threads(host["id"]) == 2, "the new host on both CPUs")
-        assert thread_cpus(host["placement"]["pid"]) == {frozenset({c0, c1})}
+        assert thread_cpus(host["placement"]["pid"]) == {c0, c1}
         assert s.metric("pdserve_kv_transfer_fallbacks_total") == 0
         assert [x["new"] for x in d["decisions"]] == [
             "1 colocated + 1 parked", "1P+1D", "1 colocated + 1 parked"
