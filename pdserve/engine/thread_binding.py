@@ -6,8 +6,9 @@ one that is not running. Left to the kernel's scheduler, they sometimes are on o
 idle stretch a worker's main thread is woken by its message thread and both compute threads can
 come back on the same CPU, where they take turns until the load balancer moves one away. On a
 2-core Zen 4 VM, a 14-token prompt step of llama-125m after 0.3 s idle took 38-40 ms instead of
-28 in a third to a half of the cases in a served worker, its two threads waiting 10 ms between them on
-a run queue (`/proc/.../schedstat`) and running 10 ms more; the same step in one process took 28.
+28 in a third to a half of the cases in a served worker, its two threads waiting 10 ms between
+them on a run queue (`/proc/.../schedstat`) and running 10 ms more; the same step in one process
+took 28.
 
 `bound_step()` wraps a step: the OpenMP team's other threads are bound one to a CPU (once per
 CPU set; `cpu_threads.c`) and the calling thread, torch's thread 0, to the set's first CPU for
