@@ -56,11 +56,15 @@ def _bind(cpus: tuple[int, ...]) -> bool:
     from pdserve.kernels import threads
 
     ok, why = threads.available()
-    failed = threads.bind_threads(cpus) if ok else None
-    if failed != 0:
+    if ok:
+        failed = threads.bind_threads(cpus)
+        if failed < 0:
+            why = f"the OpenMP team is not {len(cpus)} threads wide"
+        elif failed > 0:
+            why = f"{failed} thread(s) could not be bound to CPUs {list(cpus)}"
+    if why or not ok:
         _failed = True
-        logger.warning("engine threads left unbound: %s",
-                       why or f"{failed} thread(s) could not be bound to CPUs {list(cpus)}")  # fmt: skip
+        logger.warning("engine threads left unbound: %s", why or "no native kernels")
         return False
     _bound = cpus
     return True
