@@ -1,9 +1,9 @@
 /* Where the OpenMP threads that torch and these kernels share run.
  *
  * pd_bind_threads puts team thread i (i >= 1) on cpus[i] alone; thread 0, the caller, is left
- * as it is (the engine binds it for each step, `engine/thread_binding.py`). libgomp hands team slot i
- * to the same pooled thread in every team of the same size, so the binding holds for every
- * later parallel region of that size. pd_thread_cpus reports, for each team slot, the CPU it
+ * as it is (the engine binds it for each step, `engine/thread_binding.py`). libgomp hands team
+ * slot i to the same pooled thread in every team of the same size, so the binding holds for
+ * every later parallel region of that size. pd_thread_cpus reports, for each team slot, the CPU it
  * runs on and how many CPUs it may run on (for tests and checks).
  */
 #define _GNU_SOURCE
