@@ -40,7 +40,14 @@ and anchored on both probes (the machine's speed over the run). With `--speed-tr
 a speed trace (`pdserve profile --speed-trace`) is measured into the profile before the first
 run, and the same requests are also simulated with the profile as measured, its decode-bound
 steps along that trace (`planner/speed.py`); the output keeps the traced profile, which
-`--profile` reads back from an output file. `--resimulate FILE` keeps a saved
+`--profile` reads back from an output file. With `--run-trace INTERVAL`, a sensor process
+(`lib/speed_sensor.py`) probes the machine's speed beside each measured run, every INTERVAL
+seconds in the run's idle moments (on the CPUs of the deployment's decode-bound workers: both
+for the colocated runs, CPU 1 for 1P+1D), and the same requests are also simulated with the
+profile as measured, its decode-bound steps along that run's own trace, read in time: the step
+model's error with the machine's speed over the run known, apart from the drift no profile taken
+before the run can know. The sensor's probes take CPU from the run now and then (printed: how
+much); compare such a run with one without (`--spread`). `--resimulate FILE` keeps a saved
 run's measured side and simulates the same requests again with `--profile` (seconds, not half an
 hour): how a change to the simulator or the profile moves its error against the same
 measurements. `--spread FILE FILE...` compares the measured figures of runs of the same requests
@@ -52,9 +59,12 @@ the runs (a measurement with less of one run's noise in it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -77,11 +87,19 @@ from pdserve.config import EngineArgs, ModelConfig  # noqa: E402
 from pdserve.planner.profile import Anchor, Profile  # noqa: E402
 from pdserve.planner.scrape import Scrape, Window  # noqa: E402
 from pdserve.planner.simulator import Simulation  # noqa: E402
+from pdserve.planner.speed import SpeedTrace  # noqa: E402
 
 TRACES = {
     "conv": (TRACE, 1.0, 1024, 128),
     "code": (TRACE.parent / "azure_code_2023.csv", 1.0, 1024, 32),
     "mooncake": (TRACE.parent / "mooncake_conversation.jsonl", None, 1024, 128),
+}
+# `--run-trace`: the sensor's worker size and CPUs per deployment (its decode-bound workers)
+SENSORS = {
+    "colocated-chunked": (2, "0,1"),
+    "colocated-nochunk": (2, "0,1"),
+    "disagg-1p1d": (1, "1"),
+    "two-colocated": (1, "1"),
 }
 FIGURES = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("tpot_ms", "p50"), ("tpot_ms", "p90"))
 
@@ -114,10 +132,12 @@ def workload(name: str, a, tok):
 
 
 def simulate(serve_args: list[str], model: str, specs, records, profile: Profile,
-             noise_seed: int | None, speed_trace: bool = False):  # fmt: skip
+             noise_seed: int | None, speed_trace: bool = False,
+             speed_offset_s: float | None = None):  # fmt: skip
     """The simulated records of the same requests: prompt lengths as the server counted them,
     the measured run's send times; step-time noise drawn with `noise_seed` (None: none); with
-    `speed_trace`, decode-bound steps along the profile's speed trace (seeded alike)."""
+    `speed_trace`, decode-bound steps along the profile's speed trace (seeded alike), read in
+    time from `speed_offset_s` where given (a trace probed beside the run)."""
     _, args = parse_args(["serve", "--model", model, *serve_args])
     engine = from_args(EngineArgs, args)
     disagg = disagg_config_from(args)
@@ -132,6 +152,7 @@ def simulate(serve_args: list[str], model: str, specs, records, profile: Profile
     sim = Simulation(
         profile, engine, disagg, max_model_len=max_len, local_client=True,
         step_noise=noise_seed is not None, speed_trace=speed_trace, seed=noise_seed or 0,
+        speed_offset_s=speed_offset_s,
     )  # fmt: skip
     result = sim.run(same)
     wall = time.perf_counter() - t0
@@ -139,8 +160,24 @@ def simulate(serve_args: list[str], model: str, specs, records, profile: Profile
 
 
 # `--anchor`: the probe before the run, and before and after; `--speed-trace`: the profile as
-# measured with the trace taken before the runs
-VARIANTS = ("before", "both", "trace")
+# measured with the trace taken before the runs; `--run-trace`: with the trace probed beside it
+VARIANTS = ("before", "both", "trace", "beside")
+TITLES = {
+    "before": "the profile anchored on the probe before the run",
+    "both": "the profile anchored on the probes before and after the run",
+    "trace": "the profile as measured, decode-bound steps along its speed trace",
+    "beside": "the profile as measured, decode-bound steps along the trace probed beside the run",
+}
+
+
+def beside_trace(sensor: dict) -> tuple[SpeedTrace, float] | None:
+    """The trace a sensor probed beside a run (`entry["sensor"]`), and the run's start in
+    seconds after its first probe; None where it kept fewer than two probes."""
+    points = sensor["points"]
+    if len(points) < 2:
+        return None
+    trace = SpeedTrace(tuple((t, r) for t, r in points))
+    return trace, sensor["run_start"] - (sensor["start"] + points[0][0])
 
 
 def anchor_variants(profile: Profile, probes: dict) -> dict[str, Profile]:
@@ -165,13 +202,19 @@ def simulate_variants(entry: dict, serve_args, model, specs, records, profile: P
     variants = anchor_variants(profile, entry["probes"]) if entry.get("probes") else {}
     if profile.speed:
         variants["trace"] = profile.anchored({})
+    offsets = {}
+    if entry.get("sensor") and (beside := beside_trace(entry["sensor"])):
+        trace, offsets["beside"] = beside
+        size = entry["sensor"]["size"]
+        variants["beside"] = dataclasses.replace(profile.anchored({}), speed={size: trace})
     if not variants:
         return
     entry["variants"] = {}
     for name, anchored in variants.items():
         sim_records, _, sim_steps = simulate(
-            serve_args, model, specs, records, anchored, noise_seed, speed_trace=name == "trace"
-        )
+            serve_args, model, specs, records, anchored, noise_seed,
+            speed_trace=name in ("trace", "beside"), speed_offset_s=offsets.get(name),
+        )  # fmt: skip
         sim = figures(sim_records)
         entry["variants"][name] = {
             "simulated": sim,
@@ -248,12 +291,16 @@ def print_table(entries: list[dict]) -> None:
             {**e, **e["variants"][name], "steps": {**e["steps"], "simulated": e["variants"][name]["steps"]}}
             for e in entries if name in e.get("variants", {})
         ]  # fmt: skip
-        if chosen and name == "trace":
-            print("\n== the profile as measured, decode-bound steps along its speed trace ==")
+        if chosen and name in ("trace", "beside"):
+            print(f"\n== {TITLES[name]} ==")
+            for e in chosen if name == "beside" else ():
+                sn = e["sensor"]
+                print(f"  {e['workload']} x {e['deployment']}: {sn['kept']} probes kept "
+                      f"({sn['dropped']} dropped, {sn['skipped']} skipped), their CPU "
+                      f"{100 * sn['probe_cpu_s'] / sn['seconds']:.1f}% of one core")  # fmt: skip
             _print_table(chosen)
         elif chosen:
-            print(f"\n== the profile anchored on the probe{'s' * (name == 'both')} "
-                  f"{'before the run' if name == 'before' else 'before and after the run'} ==")  # fmt: skip
+            print(f"\n== {TITLES[name]} ==")
             for e in chosen:
                 cells = ", ".join(f"{k} t: x{d:.2f} decode, x{p:.2f} prompt"
                                   for k, (d, p) in e["anchors"].items())  # fmt: skip
@@ -310,6 +357,9 @@ def main() -> None:
     p.add_argument("--speed-trace", type=float, default=0.0, metavar="SECONDS",
                    help="measure a speed trace of this many seconds before the first run and "
                    "simulate along it too (see above)")  # fmt: skip
+    p.add_argument("--run-trace", type=float, default=0.0, metavar="INTERVAL",
+                   help="probe the machine's speed beside each run every INTERVAL seconds and "
+                   "simulate along that trace too (see above)")  # fmt: skip
     p.add_argument("--step-noise", action=argparse.BooleanOptionalAction, default=True,
                    help="simulate with step-time noise drawn from the profile's scatter "
                    "(pdserve simulate's default; --no-step-noise: the fitted times)")  # fmt: skip
@@ -355,17 +405,26 @@ def main() -> None:
             serve_args = ["--model", model, *deps[dname]]
             print(f"\n== {wname} x {dname} ==", flush=True)
 
-            def run(serve_args=serve_args, wname=wname, dname=dname, prompts=prompts):
+            def run(serve_args=serve_args, tag=f"{wname}-{dname}", dname=dname, prompts=prompts):
                 probes = {"before": probe(engine, profile)} if a.anchor else {}
-                with Server(serve_args, workdir / f"{wname}-{dname}.log") as srv:
+                sensor = (
+                    Sensor(a, model, dname, workdir / f"{tag}-sensor.json") if a.run_trace else None
+                )
+                with (
+                    sensor or contextlib.nullcontext(),
+                    Server(serve_args, workdir / f"{tag}.log") as srv,
+                ):
                     before = Scrape.parse(srv.metrics(), time.monotonic())
+                    run_start = time.monotonic()  # the client's clock starts a request later
                     records = send(prompts, srv.base_url, model)
                     after = Scrape.parse(srv.metrics(), time.monotonic())
                 if a.anchor:
                     probes["after"] = probe(engine, profile)
-                return records, measured_steps(Window([before, after])), probes
+                beside = sensor and {**sensor.result, "run_start": run_start}
+                return records, measured_steps(Window([before, after])), probes, beside
 
-            (records, server_steps, probes), meta = measured(run, f"{wname}-{dname}", a.attempts)
+            tag = f"{wname}-{dname}"
+            (records, server_steps, probes, beside), meta = measured(run, tag, a.attempts)
             sim_records, wall, sim_steps = simulate(
                 deps[dname], model, specs, records, profile, noise
             )
@@ -383,6 +442,7 @@ def main() -> None:
                 "records": [r.to_dict() for r in records],
                 "sim_records": [r.to_dict() for r in sim_records],
                 "probes": probes,
+                "sensor": beside,
             }
             entry["error"] = compare(entry["measured"], entry["simulated"])
             simulate_variants(entry, deps[dname], model, specs, records, profile, noise)
@@ -409,6 +469,37 @@ def profile_engine(model: str, backend: str):
         ["profile", "--model", model, "--linear-backend", backend, "--output", "-"]
     )
     return engine_args_from(args)
+
+
+class Sensor:
+    """`lib/speed_sensor.py` beside a run: started (and waited for until it probes) on entry,
+    stopped on exit; `result` holds its probes (`beside_trace` reads them)."""
+
+    def __init__(self, a, model: str, deployment: str, output: Path) -> None:
+        size, cpus = SENSORS[deployment]
+        self.output, self.result = output, None
+        self.cmd = [
+            sys.executable, str(Path(__file__).parent / "lib" / "speed_sensor.py"),
+            "--profile", a.profile, "--model", model, "--linear-backend", a.linear_backend,
+            "--size", str(size), "--cpus", cpus, "--interval", str(a.run_trace),
+            "--output", str(output),
+        ]  # fmt: skip
+
+    def __enter__(self) -> Sensor:
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            self.proc.kill()
+            raise RuntimeError(f"the speed sensor did not start: {' '.join(self.cmd)}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        self.result = json.loads(self.output.read_text())
 
 
 PROBE_CORES: dict = {}  # `probe`'s engines, built once and probed before and after every run
@@ -459,7 +550,7 @@ def spread(paths: list[str]) -> None:
           "the measured runs:")  # fmt: skip
     for path, run in zip(paths, runs):
         for name, pick in (("as profiled", lambda e: e),
-                           *((f"anchored {v}", lambda e, v=v: e.get("variants", {}).get(v))
+                           *((TITLES[v], lambda e, v=v: e.get("variants", {}).get(v))
                              for v in VARIANTS)):  # fmt: skip
             own, pooled = [], []
             for e in run["entries"]:

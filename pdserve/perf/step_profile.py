@@ -301,7 +301,7 @@ def measure_speed(
         next_probe += interval_s
         for n in sizes:
             with _pinned(allowed[:n]):
-                ratio = _speed_probe(drivers[n], profile.fitted_step_model(n))
+                ratio = speed_probe(drivers[n], profile.fitted_step_model(n))
             if ratio is not None:
                 points[n].append((time.monotonic() - start, ratio))
     for driver in drivers.values():  # a kept engine is left with nothing to run
@@ -327,7 +327,7 @@ def _pinned(cpus: list[int]):
         os.sched_setaffinity(0, allowed)
 
 
-def _speed_probe(driver: Driver, model: StepModel) -> float | None:
+def speed_probe(driver: Driver, model: StepModel) -> float | None:
     """The median of `SPEED_PROBE_STEPS` decode steps' time over `model`'s for them; a new
     sequence is prefilled first where none is decoding (that prefill is not counted)."""
     sched = driver.core.scheduler

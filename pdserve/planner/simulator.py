@@ -50,7 +50,7 @@ from pdserve.config import DisaggConfig, EngineArgs, worker_specs
 from pdserve.disagg.router import Router
 from pdserve.kv.manager import KVCacheManager
 from pdserve.planner.profile import Profile
-from pdserve.planner.speed import SpeedPath, follows_speed
+from pdserve.planner.speed import AlignedPath, SpeedPath, follows_speed
 from pdserve.planner.step_model import StepModel, StepNoise, StepShape
 from pdserve.pools.pd_controller import MERGED, PDController, PhaseSLO
 from pdserve.pools.roles import LoadObserver, RoleManager, cpu_sets
@@ -84,7 +84,7 @@ class SimWorker:
     predict: Callable[[StepShape], float]
     step_factors: tuple[float, float] = (1.0, 1.0)  # served / in-process: decode, prompt steps
     noise: StepNoise | None = None  # where the simulation draws step-time noise
-    speed: SpeedPath | None = None  # where decode-bound steps follow the machine's speed trace
+    speed: SpeedPath | AlignedPath | None = None  # decode-bound steps follow the machine's speed
     fitted: StepModel | None = None  # the unanchored model, with `speed`
     plan: SchedulerOutput | None = None
     step_start: float = 0.0
@@ -130,6 +130,7 @@ class Simulation:
         local_client: bool = False,
         step_noise: bool = False,
         speed_trace: bool = False,
+        speed_offset_s: float | None = None,
         seed: int = 0,
     ) -> None:
         """`threads_per_worker` sizes a worker without a CPU set (one with `--*-cpus` counts its
@@ -142,7 +143,9 @@ class Simulation:
         few rows, `planner.speed.follows_speed`) take the fitted model's time times the ratio of
         the profile's speed trace at the step's start, along a path cut from it at seeded
         offsets (`planner.speed`), in place of the model's anchor; one path for every worker
-        size, since they share the machine."""
+        size, since they share the machine. `speed_offset_s`: the trace read in time instead,
+        the simulated clock's 0 that many seconds after its first probe (a trace probed beside
+        the measured run the simulation replays: `planner.speed.AlignedPath`)."""
         self.profile = profile
         self.disagg = disagg = disagg or DisaggConfig()
         self.now = 0.0
@@ -158,7 +161,8 @@ class Simulation:
         self._rng = random.Random(seed)
         self._speed = speed_trace and step_time is None
         self._speed_seed = f"speed/{seed}"  # every size's path cut at the same offsets
-        self._speed_paths: dict[int, SpeedPath] = {}
+        self._speed_offset_s = speed_offset_s
+        self._speed_paths: dict[int, SpeedPath | AlignedPath] = {}
         kv_bytes_per_block = engine.block_size * profile.kv_bytes_per_token
         for wid, (role, args, cpus) in enumerate(worker_specs(engine, disagg)):
             cache = args.cache_config()
@@ -451,7 +455,9 @@ class Simulation:
         if trace is None:
             w.speed = w.fitted = None
             return
-        if w.size not in self._speed_paths:
+        if w.size not in self._speed_paths and self._speed_offset_s is not None:
+            self._speed_paths[w.size] = trace.aligned(self._speed_offset_s)
+        elif w.size not in self._speed_paths:
             self._speed_paths[w.size] = trace.path(random.Random(self._speed_seed))
         w.speed, w.fitted = self._speed_paths[w.size], self.profile.fitted_step_model(w.size)
 

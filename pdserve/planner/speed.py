@@ -13,8 +13,10 @@ half second, a few decode steps of one sequence per worker size, each probe thei
 over the fitted model's (`perf.step_profile.measure_speed`). A `SpeedPath` is one simulated
 run's way through it: blocks of `BLOCK_S` seconds cut from the trace at random offsets (seeded)
 and laid end to end, so a run meets the stretches, their lengths and the share of time in each
-as the machine showed them (a block bootstrap), without a model of the host's behaviour. The
-simulator multiplies the steps that move with the memory bandwidth (`follows_speed`: those whose
+as the machine showed them (a block bootstrap), without a model of the host's behaviour. An
+`AlignedPath` reads a trace in time instead: one probed beside a measured run (the run's 0 at a
+known point of it), for checking the step model against a run with the machine's speed over it
+known, apart from what a profile taken before the run can know. The simulator multiplies the steps that move with the memory bandwidth (`follows_speed`: those whose
 matrix products have a few rows, as the probes' do) by the path's ratio at the step's start.
 """
 
@@ -60,6 +62,9 @@ class SpeedTrace:
     def path(self, rng: random.Random) -> SpeedPath:
         return SpeedPath(self, rng)
 
+    def aligned(self, offset_s: float) -> AlignedPath:
+        return AlignedPath(self, offset_s)
+
     def describe(self) -> str:
         ratios = sorted(r for _, r in self.points)
         q = lambda p: ratios[int(p * (len(ratios) - 1))]  # noqa: E731
@@ -95,6 +100,18 @@ class SpeedPath:
             self.offsets.append(self.rng.uniform(0.0, self.trace.seconds - self.block_s))
         i = bisect.bisect_right(self.starts, t) - 1
         return self.trace.ratio_at(self.offsets[i] + t - self.starts[i])
+
+
+class AlignedPath:
+    """A run's ratio over its clock read straight from a trace probed beside it: `ratio(t)` is
+    the trace's at `offset_s + t` seconds from its first probe (the first probe's before it, the
+    last one's after it)."""
+
+    def __init__(self, trace: SpeedTrace, offset_s: float) -> None:
+        self.trace, self.offset_s = trace, offset_s
+
+    def ratio(self, t: float) -> float:
+        return self.trace.ratio_at(self.offset_s + t)
 
 
 def follows_speed(shape: StepShape, model: StepModel) -> bool:

@@ -10,7 +10,7 @@ from pdserve.bench.workload import RequestSpec
 from pdserve.config import EngineArgs
 from pdserve.planner.profile import Anchor, Profile, TransferModel
 from pdserve.planner.simulator import Simulation
-from pdserve.planner.speed import BLOCK_S, SpeedPath, SpeedTrace, follows_speed
+from pdserve.planner.speed import BLOCK_S, AlignedPath, SpeedPath, SpeedTrace, follows_speed
 from pdserve.planner.step_model import LinearStepModel, SplitStepModel, StepShape
 
 ONE = LinearStepModel(0.040, 0.0010, 1e-8, 1e-7, 0.0005)
@@ -61,6 +61,17 @@ def test_a_path_is_the_trace_cut_in_blocks_seeded():
     assert [a.ratio(t) for t in reversed(times)] == [b.ratio(t) for t in reversed(times)]
 
 
+def test_an_aligned_path_reads_the_trace_in_time_from_its_offset():
+    trace = SpeedTrace(((100.0, 1.0), (101.0, 1.5), (102.0, 1.2)))  # first probe at 100 s
+    path = trace.aligned(0.5)  # the run began half a second after the first probe
+    assert isinstance(path, AlignedPath)
+    assert [path.ratio(t) for t in (0.0, 0.4, 0.5, 1.4, 1.5, 30.0)] == [
+        1.0, 1.0, 1.5, 1.5, 1.2, 1.2,
+    ]  # fmt: skip
+    early = trace.aligned(-3.0)  # the run began before the sensor's first probe
+    assert [early.ratio(t) for t in (0.0, 2.9, 3.0, 4.0)] == [1.0, 1.0, 1.0, 1.5]
+
+
 def test_a_path_keeps_the_traces_share_and_its_stretches():
     trace = stretches(600, period=20)  # half the time at each level, in 20-s stretches
     path = SpeedPath(trace, random.Random(3))
@@ -86,9 +97,10 @@ def test_a_profile_keeps_its_trace_by_worker_size():
     )
 
 
-def run(p: Profile, reqs, speed: bool, seed: int = 0, **engine):
+def run(p: Profile, reqs, speed: bool, seed: int = 0, offset: float | None = None, **engine):
     sim = Simulation(p, EngineArgs(model="m", **engine), max_model_len=2048,
-                     threads_per_worker=2, speed_trace=speed, seed=seed)  # fmt: skip
+                     threads_per_worker=2, speed_trace=speed, speed_offset_s=offset,
+                     seed=seed)  # fmt: skip
     return sim.run(reqs)
 
 
@@ -137,3 +149,20 @@ def test_a_traced_simulation_is_the_same_for_a_seed():
     a, b, other = run(p, busy, True), run(p, busy, True), run(p, busy, True, seed=1)
     assert [r.to_dict() for r in a.records] == [r.to_dict() for r in b.records]
     assert [r.to_dict() for r in a.records] != [r.to_dict() for r in other.records]
+
+
+def test_a_trace_probed_beside_a_run_is_followed_in_time_not_cut_at_random():
+    # slow for the first 20 s of the trace, fast after: the run starts 5 s into it, so its
+    # decode steps before 15 s are slow and those after are not, for any seed
+    trace = SpeedTrace(((0.0, 2.0), (19.99, 2.0), (20.0, 1.0), (200.0, 1.0)))
+    p = profile(speed={2: trace})
+    reqs = [RequestSpec(i, 5.0 * i, 40, 6) for i in range(6)]
+    plain = run(profile(), reqs, speed=False)
+    for seed in (0, 1, 2):
+        aligned = run(p, reqs, speed=True, seed=seed, offset=5.0)
+        assert [s.scheduled for s in plain.steps] == [s.scheduled for s in aligned.steps]
+        for s0, s1 in zip(plain.steps, aligned.steps):
+            decode = all(n == 1 for _, n in s0.scheduled)
+            slow = decode and s1.start_s < 15.0
+            assert s1.duration_s == pytest.approx(s0.duration_s * (2.0 if slow else 1.0))
+    assert run(p, reqs, True, offset=5.0).steps != run(p, reqs, True, offset=25.0).steps
