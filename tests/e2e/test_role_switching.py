@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 
 import httpx
 import pytest
@@ -136,7 +137,11 @@ def test_auto_control_switches_from_the_load_and_serves_on(stories_path, offline
     colocated = "1 colocated + 1 parked" if merge else "2 colocated"
     try:
         results: list = []
-        for _ in range(30):  # rounds of load until the controller acts (it samples every second)
+        # rounds of load until the controller has acted both ways: it samples every second and
+        # wants 3 samples in a row and 1 s of dwell, so the bound is time (a fast machine runs
+        # many more rounds per second), not a count of rounds
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
             for t in run_batch(s, [STORY] * 6, results, max_tokens=96):
                 t.join()
             if len(deployment(s)["decisions"]) >= 2 + merge:
