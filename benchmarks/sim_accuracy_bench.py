@@ -404,8 +404,9 @@ def main() -> None:
         for dname in a.deployments.split(","):
             serve_args = ["--model", model, *deps[dname]]
             print(f"\n== {wname} x {dname} ==", flush=True)
+            tag = f"{wname}-{dname}"
 
-            def run(serve_args=serve_args, tag=f"{wname}-{dname}", dname=dname, prompts=prompts):
+            def run(serve_args=serve_args, tag=tag, dname=dname, prompts=prompts):
                 probes = {"before": probe(engine, profile)} if a.anchor else {}
                 sensor = (
                     Sensor(a, model, dname, workdir / f"{tag}-sensor.json") if a.run_trace else None
@@ -423,7 +424,6 @@ def main() -> None:
                 beside = sensor and {**sensor.result, "run_start": run_start}
                 return records, measured_steps(Window([before, after])), probes, beside
 
-            tag = f"{wname}-{dname}"
             (records, server_steps, probes, beside), meta = measured(run, tag, a.attempts)
             sim_records, wall, sim_steps = simulate(
                 deps[dname], model, specs, records, profile, noise
