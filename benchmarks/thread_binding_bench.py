@@ -33,23 +33,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from lib.machine import code_info, machine_info  # noqa: E402
 from lib.paths import DEFAULT_125M, ensure_125m  # noqa: E402
+from lib.procstat import run_queue_wait  # noqa: E402
 from lib.quiet import wait_quiet  # noqa: E402
 from lib.server import Server, metric_sums, prompts_for, send  # noqa: E402
 
 from pdserve.bench.metrics import latency_stats  # noqa: E402
 
 PROMPT, CONTEXT, IDLE_S, WAITED_S = 14, 352, 0.3, 0.005
-
-
-def run_queue_wait(pid: int) -> float:
-    """Seconds the process's threads have waited on a run queue, all together."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1])
-        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
-            continue
-    return total / 1e9
 
 
 def prompt_steps(srv: Server) -> tuple[float, float]:

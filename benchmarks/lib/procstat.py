@@ -21,6 +21,32 @@ def busy_jiffies() -> int:
     return user + nice + system + irq + softirq + steal
 
 
+def cpus_busy_jiffies(cpus: list[int]) -> int:
+    """Clock ticks the CPUs `cpus` spent busy since boot (their `cpuN` lines of /proc/stat)."""
+    names = {f"cpu{c}" for c in cpus}
+    total = 0
+    with open("/proc/stat", encoding="ascii") as f:
+        for line in f:
+            fields = line.split()
+            if fields and fields[0] in names:
+                user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
+                total += user + nice + system + irq + softirq + steal
+    return total
+
+
+def run_queue_wait(pid: int) -> float:
+    """Seconds the process's threads have spent runnable but waiting for a CPU, all together
+    (/proc/PID/task/*/schedstat, second field): two threads on one CPU take turns."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", encoding="ascii") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
+            continue
+    return total / 1e9
+
+
 def machine_busy() -> tuple[float, float]:
     """(busy, total) jiffies of all CPUs from /proc/stat."""
     vals = cpu_jiffies()

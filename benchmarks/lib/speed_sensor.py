@@ -23,55 +23,32 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from pdserve.cli import parse_args
-from pdserve.commands.engine_args import engine_args_from
-from pdserve.engine.core import EngineCore
-from pdserve.perf.step_profile import Driver, profile_description, speed_probe
-from pdserve.planner.profile import Profile
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lib.procstat import cpus_busy_jiffies, run_queue_wait  # noqa: E402
+from pdserve.cli import parse_args  # noqa: E402
+from pdserve.commands.engine_args import engine_args_from  # noqa: E402
+from pdserve.engine.core import EngineCore  # noqa: E402
+from pdserve.perf.step_profile import Driver, profile_description, speed_probe  # noqa: E402
+from pdserve.planner.profile import Profile  # noqa: E402
 
 GATE_S = 0.03  # the sensor's CPUs idle this long before a probe
 GATE_WAIT_S = 0.5  # a probe's slot is skipped when they are not, within this
 MAX_WAIT_MS = 2.0  # a probe whose threads waited longer on a run queue is dropped
 
 
-def cpu_busy_ticks(cpus: list[int]) -> int:
-    """Clock ticks the CPUs `cpus` spent busy since boot (their lines of /proc/stat)."""
-    names = {f"cpu{c}" for c in cpus}
-    total = 0
-    with open("/proc/stat", encoding="ascii") as f:
-        for line in f:
-            fields = line.split()
-            if fields and fields[0] in names:
-                user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
-                total += user + nice + system + irq + softirq + steal
-    return total
-
-
-def run_queue_wait_s() -> float:
-    """Seconds this process's threads have spent runnable but waiting for a CPU
-    (/proc/self/task/*/schedstat, second field)."""
-    total = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as f:
-                total += int(f.read().split()[1])
-        except (OSError, IndexError, ValueError):
-            pass  # a thread that ended
-    return total / 1e9
-
-
 def idle_moment(cpus: list[int], stop) -> bool:
     """Whether `cpus` had a quiet `GATE_S` (no busy tick) within `GATE_WAIT_S`."""
     deadline = time.monotonic() + GATE_WAIT_S
     while time.monotonic() < deadline and not stop():
-        before = cpu_busy_ticks(cpus)
+        before = cpus_busy_jiffies(cpus)
         time.sleep(GATE_S)
-        if cpu_busy_ticks(cpus) == before:
+        if cpus_busy_jiffies(cpus) == before:
             return True
     return False
 
@@ -121,10 +98,10 @@ def main() -> None:
         if stop() or not idle_moment(cpus, stop):
             skipped += not stop()
             continue
-        waited, cpu0, t = run_queue_wait_s(), time.process_time(), time.monotonic()
+        waited, cpu0, t = run_queue_wait(os.getpid()), time.process_time(), time.monotonic()
         ratio = speed_probe(driver, model)
         probe_cpu_s += time.process_time() - cpu0
-        if ratio is None or run_queue_wait_s() - waited > MAX_WAIT_MS / 1e3:
+        if ratio is None or run_queue_wait(os.getpid()) - waited > MAX_WAIT_MS / 1e3:
             dropped += 1
             continue
         kept += 1

@@ -455,10 +455,12 @@ class Simulation:
         if trace is None:
             w.speed = w.fitted = None
             return
-        if w.size not in self._speed_paths and self._speed_offset_s is not None:
-            self._speed_paths[w.size] = trace.aligned(self._speed_offset_s)
-        elif w.size not in self._speed_paths:
-            self._speed_paths[w.size] = trace.path(random.Random(self._speed_seed))
+        if w.size not in self._speed_paths:
+            offset = self._speed_offset_s
+            self._speed_paths[w.size] = (
+                trace.path(random.Random(self._speed_seed)) if offset is None
+                else trace.aligned(offset)
+            )  # fmt: skip
         w.speed, w.fitted = self._speed_paths[w.size], self.profile.fitted_step_model(w.size)
 
     def _set_factors(self, w: SimWorker) -> None:

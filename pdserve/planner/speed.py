@@ -16,8 +16,9 @@ and laid end to end, so a run meets the stretches, their lengths and the share o
 as the machine showed them (a block bootstrap), without a model of the host's behaviour. An
 `AlignedPath` reads a trace in time instead: one probed beside a measured run (the run's 0 at a
 known point of it), for checking the step model against a run with the machine's speed over it
-known, apart from what a profile taken before the run can know. The simulator multiplies the steps that move with the memory bandwidth (`follows_speed`: those whose
-matrix products have a few rows, as the probes' do) by the path's ratio at the step's start.
+known, apart from what a profile taken before the run can know. The simulator multiplies the
+steps that move with the memory bandwidth (`follows_speed`: those whose matrix products have a
+few rows, as the probes' do) by the path's ratio at the step's start.
 """
 
 from __future__ import annotations
