@@ -92,10 +92,14 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.frontend.api import build_app
     from pdserve.frontend.guard import GuardedH11Protocol
     from pdserve.heap import freeze_startup_heap
+    from pdserve.ipc import sched_slice
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    # the workers read it from the environment they inherit
+    os.environ[sched_slice.ENV_VAR] = "1" if config.short_time_slices else "0"
+    sched_slice.shorten_process()  # the threads that carry tokens out: before any is started
     app = build_app(engine_args, config, disagg=disagg)
     server = uvicorn.Server(
         uvicorn.Config(

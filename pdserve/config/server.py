@@ -126,6 +126,12 @@ class ServerConfig:
     public_metrics: bool = setting(
         False, help="with --api-key: serve /metrics without the key (default: /metrics needs it)"
     )
+    short_time_slices: bool = setting(
+        False,
+        help="the frontend's threads and the workers' message threads on 0.1-ms scheduler "
+        "slices (Linux 6.12+): a token leaves a machine whose cores run a step sooner, at some "
+        "cost in throughput (docs/PERFORMANCE.md, 'Tokens out of a busy machine')",
+    )
     tool_call_parser: str = setting(
         "auto",
         choices=("auto", "hermes", "llama3_json", "mistral"),

@@ -28,6 +28,7 @@ import zmq
 from pdserve.config import EngineArgs
 from pdserve.engine.cpu_placement import parse_cpu_set, run_on
 from pdserve.heap import freeze_startup_heap
+from pdserve.ipc import sched_slice
 from pdserve.ipc.channel import (
     BadFrame,
     Decoder,
@@ -343,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s worker{a.worker_id} %(levelname)s %(message)s"
     )
+    # started by a frontend whose threads asked for short time slices: the compute threads keep
+    # the kernel's default, the message threads ask for their own once they exist (`start`)
+    sched_slice.restore_process()
     args = msgspec.json.decode(a.engine_args, type=EngineArgs)
     if a.cpus:  # placed by the user: one thread per CPU of the set, unless told otherwise
         num_cpus = pin_cpus(a.cpus)
@@ -364,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "running", False))
     try:
         worker.start()
+        sched_slice.shorten_threads(sched_slice.ZMQ_THREADS)
         worker.loop()
         return 0
     except Exception as e:  # report, then exit: the frontend fails in-flight requests clearly

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from pdserve.ipc import sched_slice
+
 LARGE_PROMPT_CHARS = 1 << 20
 NUM_THREADS = 4
 
@@ -89,6 +91,7 @@ class _ChildTokenizer:
 def _child_main(path: str, conn) -> None:
     _die_with_parent()
     os.nice(10)  # background work: the frontend and the engine workers come first
+    sched_slice.restore_process()  # nor does it preempt them as the frontend's threads do
     from pdserve.frontend.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(path)
