@@ -19,8 +19,9 @@ It is a trade, and off by default: a compute thread preempted in the middle of a
 region holds up the others at its barrier, where a message thread that waited might have run in
 the worker's serial stretch between steps instead. On that VM a first token's time outside its
 step fell from 11.8 to 6.9 ms at the p90 (5.0 to 4.4 at the median), and a loaded server gave
-2-4% fewer tokens per second (`benchmarks/short_slice_bench.py`). `pdserve serve --short-time-slices` turns it on; the
-frontend tells its workers through the environment (`ENV_VAR`).
+2-4% fewer tokens per second (`benchmarks/short_slice_bench.py`). `pdserve serve
+--short-time-slices` turns it on; the frontend tells its workers through the environment
+(`ENV_VAR`).
 
 Children inherit a thread's slice across fork and exec, so a worker, or the tokenizer process,
 started by a frontend gives its own threads the default back first (`restore_process`).

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import socket
 import statistics
@@ -105,7 +106,7 @@ def measure_serving_costs(
     core = _in_process_engine(args, len(cpus))
     with ServerProcess(Deployment("calibration", base_url, tuple(serve)), log_path), frozen_heap():
         asyncio.run(run_requests(prompts[:CONCURRENCY], client, CONCURRENCY))  # warm up
-        sequential, in_process = _served_and_in_process(alone, client, core, cpus)
+        sequential, in_process, prompt_steps = _served_and_in_process(alone, client, core, cpus)
         del core
         before = fetch_metrics(base_url)
         cpu0 = time.process_time()
@@ -138,6 +139,9 @@ def measure_serving_costs(
         **factors,
         calibration_steps=calibration,
     )
+    costs = dataclasses.replace(
+        costs, first_token_extra_s=_first_token_extra(sequential, prompt_steps, costs)
+    )
     if len(cpus) >= 2:
         from pdserve.bench.errors import BenchError
 
@@ -149,7 +153,8 @@ def measure_serving_costs(
         f"serving on {len(cpus)} CPUs: frontend {costs.frontend_cpu_per_token_s * 1e3:.2f} ms and "
         f"client {costs.client_cpu_per_token_s * 1e3:.2f} ms of CPU per output token, "
         f"{costs.frontend_latency_s * 1e3:.1f} ms of TTFT outside the engine at {CONCURRENCY} "
-        f"streams ({(costs.frontend_latency_alone_s or 0) * 1e3:.1f} ms alone); a served step "
+        f"streams ({(costs.frontend_latency_alone_s or 0) * 1e3:.1f} ms alone, a first token "
+        f"{(costs.first_token_extra_s or 0) * 1e3:+.1f} ms more); a served step "
         f"takes x{costs.decode_step_factor:.2f} (decode) and "
         f"{costs.prefill_step_overhead_s * 1e3:.1f} ms + x{costs.prefill_step_factor:.2f} (prompt) "
         "the in-process one"
@@ -181,7 +186,6 @@ def _measure_part(
     """`costs` with the decode factor of a worker on part of the CPUs: a server split into a
     prefill worker and a decode worker on half the CPUs each serves `prompts` one at a time,
     and each is run again in this process on the decode worker's CPUs, seconds later."""
-    import dataclasses
 
     from pdserve.bench.client import ClientConfig, run_requests
     from pdserve.bench.compare import Deployment, ServerProcess
@@ -198,7 +202,7 @@ def _measure_part(
     deployment = Deployment("calibration-split", base_url, tuple(serve))
     with ServerProcess(deployment, log_dir / "split.log"):
         asyncio.run(run_requests(prompts[:1], client, 1))  # warm up
-        served, in_process = _served_and_in_process(prompts, client, core, decode)
+        served, in_process, _ = _served_and_in_process(prompts, client, core, decode)
     del core
     steps = served_steps(served, in_process)
     out = dataclasses.replace(costs, part_cpus=len(decode), part_calibration_steps=steps)
@@ -209,20 +213,56 @@ def _measure_part(
     return out
 
 
-def _served_and_in_process(prompts, client, core, cpus: list[int]) -> tuple[list, list]:
+def _served_and_in_process(prompts, client, core, cpus: list[int]) -> tuple[list, list, list]:
     """Each prompt served alone, then the same shapes run in `core` on `cpus` (the server
     idle): the pairs lie seconds apart, where this machine's speed can move by a third in
-    minutes. (the served records, the in-process step times of each)"""
+    minutes. (the served records, the in-process step times of each, and the seconds of each
+    served request's prompt steps by the worker's own clock, from the server's /metrics; None
+    where it gave none)"""
     from pdserve.bench.client import run_requests
 
-    served, in_process = [], []
+    served, in_process, prompt_steps = [], [], []
     for prompt in prompts:
         time.sleep(SETTLE_S)
+        before = _prompt_step_seconds(client.base_url)
         served += asyncio.run(run_requests([prompt], client, 1))
+        after = _prompt_step_seconds(client.base_url)
+        prompt_steps.append(None if None in (before, after) else after - before)
         time.sleep(SETTLE_S)
         with _pinned(cpus):
             in_process.append(_run_in_process(core, served[-1]))
-    return served, in_process
+    return served, in_process, prompt_steps
+
+
+def _prompt_step_seconds(base_url: str) -> float | None:
+    """The time a server's workers spent in steps with prompt tokens so far (its step-time
+    histogram), or None where it has no /metrics."""
+    from pdserve.bench.client import fetch_metrics
+    from pdserve.planner.scrape import Scrape
+
+    got = fetch_metrics(base_url)
+    if got is None:
+        return None
+    scrape = Scrape.parse(got["text"], got["t"])
+    return sum(
+        v
+        for phase in ("prefill", "mixed")
+        for v in scrape.series("pdserve_step_time_seconds_sum", phase=phase).values()
+    )
+
+
+def _first_token_extra(records, prompt_steps, costs: ServingCosts) -> float | None:
+    """The median, over requests served alone that went on decoding after their first token,
+    of the client's TTFT less the worker's prompt steps, less what the profile already adds to
+    a first token (the prompt step's fixed cost and the latency of a token served alone)."""
+    outside = [
+        r.ttft - s
+        for r, s in zip(records, prompt_steps)
+        if s is not None and r.ttft is not None and r.num_output_tokens > 1
+    ]
+    if not outside:
+        return None
+    return statistics.median(outside) - costs.prefill_step_overhead_s - costs.latency(1)
 
 
 def _serve_command(args: EngineArgs, port: int, *placement: str) -> list[str]:
@@ -275,7 +315,6 @@ def served_steps(records, in_process: list[list[float]] | None = None) -> list[l
 def _in_process_engine(args: EngineArgs, threads: int):
     """An engine in this process on every allowed CPU, warmed up, with room for one request;
     no prefix cache, so that every prompt is computed whole, as the served ones were."""
-    import dataclasses
 
     from pdserve.engine.core import EngineCore
 

@@ -78,6 +78,13 @@ class ServingCosts:
     # flight; None where not measured (then `frontend_latency_s` at every load)
     frontend_latency_alone_s: float | None = None
     latency_streams: int = 0
+    # a first token's time outside the worker's own prompt step, over what the other terms
+    # hold (`prefill_step_overhead_s` and the alone latency): the way in (HTTP, tokenizing, the
+    # hop to the worker) and, as the worker goes straight on to its next step on the cores the
+    # frontend shares, the wait for a CPU on the way out. Measured on requests served alone that
+    # go on decoding (the client's TTFT less the server's prompt-step time from its /metrics);
+    # the simulator adds it to a request's way to the worker. None where not measured (0).
+    first_token_extra_s: float | None = None
 
     def latency(self, in_flight: int) -> float:
         """The time a token spends outside the engine with `in_flight` requests streaming: the

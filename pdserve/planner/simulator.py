@@ -21,13 +21,14 @@ each their own) times the step model's time; the CPU the frontend (and a client 
 machine, `local_client`) spends per output token is added to the step that emits the token,
 in the worker's share of the CPUs, when the workers occupy every CPU; every token reaches the
 client the profile's time outside the engine after its step (measured alone and under load;
-`ServingCosts.latency` by the requests in flight). A worker's first step after an idle stretch
-takes the profile's wake cost on top (`Profile.wake`). With `step_noise`, each step's time is
-also multiplied by a ratio drawn (seeded) from how the profile's own measured steps of its kind
-lay from their fitted model (`StepNoise`): a machine's steps scatter, and a percentile resting on
-a few short steps follows the scatter. With `speed_trace`, where the profile holds a speed trace
-(`planner.speed`), decode-bound steps take the fitted time times the trace's ratio along a
-seeded path through it: a shared machine's memory bandwidth moves in stretches. What is not
+`ServingCosts.latency` by the requests in flight), and a request reaches its worker the
+profile's `first_token_extra_s` after the client sent it. A worker's first step after an idle
+stretch takes the profile's wake cost on top (`Profile.wake`). With `step_noise`, each step's
+time is also multiplied by a ratio drawn (seeded) from how the profile's own measured steps of
+its kind lay from their fitted model (`StepNoise`): a machine's steps scatter, and a percentile
+resting on a few short steps follows the scatter. With `speed_trace`, where the profile holds a
+speed trace (`planner.speed`), decode-bound steps take the fitted time times the trace's ratio
+along a seeded path through it: a shared machine's memory bandwidth moves in stretches. What is not
 modelled: message latencies between processes, KV transfer fallbacks and failures,
 preemption's recompute being cheaper than a first prefill (the prefix cache is modelled, so
 recompute hits cached blocks as it does for real).
@@ -186,6 +187,10 @@ class Simulation:
         self.prefill_step_overhead_s = 0.0
         if served is not None and step_time is None:
             self.prefill_step_overhead_s = served.prefill_step_overhead_s
+        # a request's way from the client to its worker, beyond the other terms
+        self.arrival_delay_s = 0.0
+        if served is not None and served.first_token_extra_s is not None:
+            self.arrival_delay_s = max(0.0, served.first_token_extra_s)
         for w in self.workers:
             self._set_factors(w)
             self._set_noise(w)
@@ -246,8 +251,17 @@ class Simulation:
             prompt_tokens=len(prompt),
         )
         rid = f"r{spec.index}"
-        live = self.live[rid] = _Live(record, prompt)
+        self.live[rid] = _Live(record, prompt)
         self.load.on_arrival(rid)
+        if self.arrival_delay_s:
+            self.at(self.now + self.arrival_delay_s, lambda: self._place(rid, output_len))
+        else:
+            self._place(rid, output_len)
+
+    def _place(self, rid: str, output_len: int) -> None:
+        """The request reaches the frontend's router and its worker's scheduler."""
+        live = self.live[rid]
+        prompt = live.prompt
         route = self.router.route(prompt)
         live.decode_worker = route.decode_id
         decode = self.workers[route.decode_id]

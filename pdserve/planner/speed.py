@@ -32,6 +32,7 @@ from functools import cached_property
 from pdserve.planner.step_model import StepModel, StepShape
 
 BLOCK_S = 30.0  # a path's blocks: long enough to keep the stretches a trace shows
+NARROW_ROWS = 16  # a step of this many rows reads the weights as a decode step does
 
 
 @dataclass(frozen=True)
@@ -119,11 +120,14 @@ def follows_speed(shape: StepShape, model: StepModel) -> bool:
     """Whether a step moves with the machine's memory bandwidth as the trace's probes do: one
     whose matrix products have at most the few rows of `model`'s narrow decode kernel (a split
     model's `wide_rows`: one pass over the weights for all of them, bound by the bandwidth),
-    decode or not; where the model fits no wide batches apart, a decode-only step. Past the
-    kernel's tile the products do more arithmetic per byte read: on a 2-core Zen 4, decode
-    batches of 1 and 4 ran at x1.18-1.56 their fit in the slow stretches and x0.8-1.0 in the
-    fast ones, batches of 8 at x0.87-1.11 in both (one probe of 18 at x1.30)."""
+    decode or not; where the model fits no wide batches apart, a decode-only step or one of at
+    most `NARROW_ROWS` rows. Past the kernel's tile the products do more arithmetic per byte
+    read: on a 2-core Zen 4, decode batches of 1 and 4 ran at x1.18-1.56 their fit in the slow
+    stretches and x0.8-1.0 in the fast ones, batches of 8 at x0.87-1.11 in both (one probe of 18
+    at x1.30). Prompt steps of 2-16 tokens over a cached prefix (a conversation's next turn),
+    served on both cores, ran at x0.98 and x1.21 of the two-thread fit at the median in two runs
+    where the decode steps right after them ran at x0.93 and x1.22."""
     wide_rows = getattr(model, "wide_rows", 0) if getattr(model, "wide_decode", None) else 0
     if wide_rows:
         return sum(shape.q_lens) <= wide_rows
-    return shape.is_decode
+    return shape.is_decode or sum(shape.q_lens) <= NARROW_ROWS

@@ -78,6 +78,8 @@ def test_a_measured_profile_fits_this_machine(stories_path, tmp_path):
     assert serving["decode_step_factor"] > 0 and serving["prefill_step_factor"] > 0
     # the time outside the engine alone and under the load's streams
     assert serving["frontend_latency_alone_s"] > 0 and serving["latency_streams"] == 6
+    # a first token's time outside its prompt step, from the server's step-time histogram
+    assert isinstance(serving["first_token_extra_s"], float)
     if len(os.sched_getaffinity(0)) >= 2:
         assert serving["part_cpus"] >= 1 and serving["part_decode_step_factor"] > 0
         assert any(len(s) == 4 for s in serving["part_calibration_steps"])  # paired in time

@@ -86,6 +86,7 @@ SAMPLES = {
         max_body_bytes=1 << 20,
         max_header_bytes=8192,
         public_metrics=True,
+        short_time_slices=True,
         tool_call_parser="hermes",
     ),
     RequestLimits: dict(

@@ -420,6 +420,50 @@ def test_the_simulator_adds_the_fixed_cost_to_prompt_steps_only():
     assert gaps == pytest.approx(plain_gaps, abs=1e-9)  # decode steps unchanged
 
 
+def test_a_request_reaches_its_worker_the_first_tokens_extra_time_after_its_send():
+    costs = ServingCosts(2, 0.0, 0.0, 0.0, 1.0, 1.0)
+
+    def records(extra):
+        served = dataclasses.replace(costs, first_token_extra_s=extra)
+        sim = Simulation(dataclasses.replace(PROFILE, serving=served), EngineArgs(model="m"),
+                         max_model_len=2048, threads_per_worker=2)  # fmt: skip
+        return sim.run([RequestSpec(0, 0.0, 300, 20), RequestSpec(1, 0.001, 40, 5)]).records
+
+    late, plain, unmeasured = records(0.004), records(0.0), records(None)
+    assert [r.ttft for r in plain] == [r.ttft for r in unmeasured]
+    assert late[0].t_arrive == plain[0].t_arrive == 0.0  # the client's clock: sent at 0
+    assert late[0].ttft == pytest.approx(plain[0].ttft + 0.004, abs=1e-9)
+    gaps = [b - a for a, b in zip(late[0].token_times, late[0].token_times[1:])]
+    plain_gaps = [b - a for a, b in zip(plain[0].token_times, plain[0].token_times[1:])]
+    assert gaps == pytest.approx(plain_gaps, abs=1e-9)  # the tokens after the first: unchanged
+    # the second request waits behind the first's prompt step either way
+    assert late[1].ttft > plain[0].ttft
+    assert records(-0.001)[0].ttft == pytest.approx(plain[0].ttft, abs=1e-9)  # never earlier
+
+
+def test_the_first_tokens_extra_time_comes_from_requests_that_go_on_decoding():
+    from pdserve.bench.metrics import RequestRecord
+    from pdserve.perf.serving_costs import _first_token_extra
+
+    def record(ttft, out):
+        times = [ttft + 0.01 * k for k in range(out)]
+        return RequestRecord(
+            index=0, input_len=64, output_len=out, prompt_len=64, t_scheduled=0.0,
+            t_arrive=0.0, t_first=ttft, token_times=times, t_end=times[-1], status=COMPLETED,
+            prompt_tokens=64, completion_tokens=out,
+        )  # fmt: skip
+
+    costs = ServingCosts(2, 0.0, 0.0, 0.003, 1.0, 1.0, prefill_step_overhead_s=0.001,
+                         frontend_latency_alone_s=0.002, latency_streams=6)  # fmt: skip
+    # three that went on decoding: 9, 7 and 8 ms outside their 20-ms prompt step; one with one
+    # token out (its worker idle after the step: it left at once) and one without /metrics
+    records = [record(0.029, 8), record(0.027, 8), record(0.028, 8), record(0.021, 1),
+               record(0.050, 8)]  # fmt: skip
+    steps = [0.020, 0.020, 0.020, 0.020, None]
+    assert _first_token_extra(records, steps, costs) == pytest.approx(0.008 - 0.001 - 0.002)
+    assert _first_token_extra(records[3:], steps[3:], costs) is None  # nothing to go on
+
+
 def test_a_decode_worker_on_part_of_the_cpus_takes_its_own_factor():
     costs = ServingCosts(2, 0.0, 0.0, 0.0, decode_step_factor=1.2, prefill_step_factor=1.0,
                          part_decode_step_factor=0.95, part_cpus=1)  # fmt: skip

@@ -10,7 +10,14 @@ from pdserve.bench.workload import RequestSpec
 from pdserve.config import EngineArgs
 from pdserve.planner.profile import Anchor, Profile, TransferModel
 from pdserve.planner.simulator import Simulation
-from pdserve.planner.speed import BLOCK_S, AlignedPath, SpeedPath, SpeedTrace, follows_speed
+from pdserve.planner.speed import (
+    BLOCK_S,
+    NARROW_ROWS,
+    AlignedPath,
+    SpeedPath,
+    SpeedTrace,
+    follows_speed,
+)
 from pdserve.planner.step_model import LinearStepModel, SplitStepModel, StepShape
 
 ONE = LinearStepModel(0.040, 0.0010, 1e-8, 1e-7, 0.0005)
@@ -112,9 +119,13 @@ def test_the_steps_that_follow_the_trace_are_those_of_a_few_rows():
     assert follows_speed(StepShape.of([3], [900], 1), split)  # a prefix hit of three tokens
     assert not follows_speed(StepShape.of([40], [40], 1), split)
     assert not follows_speed(StepShape.of([3, 1, 1], [900, 9, 9], 3), split)  # five rows
-    # a model that fits no wide batches apart: decode-only steps, any batch
-    assert follows_speed(decode(9), TWO) and not follows_speed(StepShape.of([3], [9], 1), TWO)
-    assert follows_speed(decode(9), SplitStepModel(TWO, ONE))
+    # a model that fits no wide batches apart: decode-only steps, any batch, and any step of at
+    # most NARROW_ROWS rows (a conversation's next turn over its cached prefix)
+    assert follows_speed(decode(40), TWO) and follows_speed(decode(9), SplitStepModel(TWO, ONE))
+    assert follows_speed(StepShape.of([3], [900], 1), TWO)
+    assert follows_speed(StepShape.of([NARROW_ROWS - 2, 1, 1], [900, 9, 9], 3), TWO)
+    assert not follows_speed(StepShape.of([NARROW_ROWS + 1], [900], 1), TWO)
+    assert not follows_speed(StepShape.of([256], [256], 1), TWO)
 
 
 def test_decode_steps_follow_the_trace_and_prompt_steps_do_not():
