@@ -99,7 +99,12 @@ def run(args: argparse.Namespace) -> int:
     )
     # the workers read it from the environment they inherit
     os.environ[sched_slice.ENV_VAR] = "1" if config.short_time_slices else "0"
-    sched_slice.shorten_process()  # the threads that carry tokens out: before any is started
+    # the threads that carry tokens out: before any is started
+    if config.short_time_slices and not sched_slice.shorten_process():
+        logging.getLogger(__name__).warning(
+            "--short-time-slices: this system grants no per-thread scheduler slices (Linux 6.12 "
+            "or later has them); every thread keeps the default"
+        )
     app = build_app(engine_args, config, disagg=disagg)
     server = uvicorn.Server(
         uvicorn.Config(
