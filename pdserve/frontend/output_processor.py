@@ -154,7 +154,9 @@ class OutputProcessor:
             if stop_str is not None:
                 accepted = accepted[: comp.detok.num_output_tokens - len(comp.token_ids)]
             comp.token_ids.extend(accepted)
-            new_ids[comp.core_id] = accepted
+            # several outputs of one request can come in one call (a handoff releases the decode
+            # worker's held outputs behind the first token): each adds its tokens
+            new_ids.setdefault(comp.core_id, []).extend(accepted)
             if out.new_logprobs:
                 comp.logprobs = (comp.logprobs or []) + out.new_logprobs[: len(accepted)]
             if stop_str is not None:
