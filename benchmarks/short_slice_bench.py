@@ -37,7 +37,7 @@ import sim_accuracy_bench  # noqa: E402
 from lib.machine import code_info, machine_info  # noqa: E402
 from lib.paths import DEFAULT_125M, ensure_125m  # noqa: E402
 from lib.quiet import measured  # noqa: E402
-from lib.server import Server, metric_sums, prompts_for  # noqa: E402
+from lib.server import Server, first_token_s, prompt_steps, prompts_for  # noqa: E402
 
 from pdserve.bench.client import ClientConfig, run_requests  # noqa: E402
 from pdserve.bench.metrics import summarize  # noqa: E402
@@ -47,39 +47,15 @@ ARMS = {"short": ["--short-time-slices"], "default": []}
 GAP_S = 0.3
 
 
-def prompt_step_seconds(srv: Server) -> tuple[float, float]:
-    """The server's prompt steps so far: (seconds, count)."""
-    text = srv.metrics()
-    sums = metric_sums(text, "pdserve_step_time_seconds_sum")
-    counts = metric_sums(text, "pdserve_step_time_seconds_count")
-    keys = [k for k in sums if 'phase="prefill"' in k]
-    return sum(sums[k] for k in keys), sum(counts[k] for k in keys)
-
-
-def first_token_s(client: httpx.Client, url: str, model: str, prompt: str) -> float:
-    body = {"model": model, "prompt": prompt, "max_tokens": 2, "stream": True,
-            "temperature": 0.0, "ignore_eos": True}  # fmt: skip
-    t0 = time.perf_counter()
-    first = None
-    with client.stream("POST", url + "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if first is None and line.startswith("data: {"):
-                first = time.perf_counter() - t0
-    if first is None:
-        raise RuntimeError("no token came back")
-    return first
-
-
 def delivery(srv: Server, model: str, prompts) -> dict:
     outside, steps = [], []
     with httpx.Client(timeout=60, trust_env=False) as client:
-        first_token_s(client, srv.base_url, model, "warm up")
+        first_token_s(client, srv.base_url, model, "warm up", 2)
         for p in prompts:
             time.sleep(GAP_S)
-            s0, n0 = prompt_step_seconds(srv)
-            ttft = first_token_s(client, srv.base_url, model, p.prompt)
-            s1, n1 = prompt_step_seconds(srv)
+            s0, n0 = prompt_steps(srv)
+            ttft = first_token_s(client, srv.base_url, model, p.prompt, 2)
+            s1, n1 = prompt_steps(srv)
             if n1 - n0 != 1:  # chunked into more than one step: not one step's time
                 continue
             steps.append((s1 - s0) * 1e3)

@@ -35,33 +35,11 @@ from lib.machine import code_info, machine_info  # noqa: E402
 from lib.paths import DEFAULT_125M, ensure_125m  # noqa: E402
 from lib.procstat import run_queue_wait  # noqa: E402
 from lib.quiet import wait_quiet  # noqa: E402
-from lib.server import Server, metric_sums, prompts_for, send  # noqa: E402
+from lib.server import Server, first_token_s, prompt_steps, prompts_for, send  # noqa: E402
 
 from pdserve.bench.metrics import latency_stats  # noqa: E402
 
 PROMPT, CONTEXT, IDLE_S, WAITED_S = 14, 352, 0.3, 0.005
-
-
-def prompt_steps(srv: Server) -> tuple[float, float]:
-    text = srv.metrics()
-    sums = metric_sums(text, "pdserve_step_time_seconds_sum")
-    counts = metric_sums(text, "pdserve_step_time_seconds_count")
-    keys = [k for k in sums if 'phase="prefill"' in k]
-    return sum(sums[k] for k in keys), sum(counts[k] for k in keys)
-
-
-def stream(client: httpx.Client, url: str, ids: list[int]) -> float:
-    """Send one request (one token out); its TTFT."""
-    body = {"model": "llama-125m", "prompt": ids, "max_tokens": 1, "stream": True,
-            "temperature": 0.0, "ignore_eos": True}  # fmt: skip
-    t0 = time.perf_counter()
-    first = None
-    with client.stream("POST", url + "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if first is None and line.startswith("data: {"):
-                first = time.perf_counter() - t0
-    return first
 
 
 def serve_round(
@@ -73,16 +51,18 @@ def serve_round(
     with Server(args, log, env=env) as srv, httpx.Client(timeout=60, trust_env=False) as client:
         (worker,) = srv.workers.values()
         token = lambda: rng.randrange(100, 30000)  # noqa: E731  (llama-125m: 32,000)
-        stream(client, srv.base_url, [token() for _ in range(64)])  # warm
+        first_token_s(client, srv.base_url, model, [token() for _ in range(64)])  # warm
         for i in range(requests):
             prefix = []
             if i % 2:  # a prefix hit: the context computed just before
                 prefix = [token() for _ in range(CONTEXT)]
-                stream(client, srv.base_url, prefix)
+                first_token_s(client, srv.base_url, model, prefix)
             time.sleep(IDLE_S)
             s0, n0 = prompt_steps(srv)
             w0 = run_queue_wait(worker)
-            ttft = stream(client, srv.base_url, prefix + [token() for _ in range(PROMPT)])
+            ttft = first_token_s(
+                client, srv.base_url, model, prefix + [token() for _ in range(PROMPT)]
+            )
             w1 = run_queue_wait(worker)
             s1, n1 = prompt_steps(srv)
             if n1 > n0:

@@ -127,6 +127,34 @@ def metric_sums(text: str, name: str) -> dict[str, float]:
     return out
 
 
+def prompt_steps(srv: Server) -> tuple[float, float]:
+    """The server's steps with prompt tokens so far, from its step-time histogram: (seconds,
+    count). Around one request sent alone: that request's prompt steps."""
+    text = srv.metrics()
+    sums = metric_sums(text, "pdserve_step_time_seconds_sum")
+    counts = metric_sums(text, "pdserve_step_time_seconds_count")
+    keys = [k for k in sums if 'phase="prefill"' in k or 'phase="mixed"' in k]
+    return sum(sums[k] for k in keys), sum(counts[k] for k in keys)
+
+
+def first_token_s(
+    client: httpx.Client, url: str, model: str, prompt: str | list[int], max_tokens: int = 1
+) -> float:
+    """Stream one greedy completion of `max_tokens` tokens (EOS ignored); the client's TTFT."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+    t0 = time.perf_counter()
+    first = None
+    with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if first is None and line.startswith("data: {"):
+                first = time.perf_counter() - t0
+    if first is None:
+        raise RuntimeError("no token came back")
+    return first
+
+
 def metric_total(text: str, name: str, label_filter: str = "") -> float:
     return sum(v for k, v in metric_sums(text, name).items() if label_filter in k)
 
