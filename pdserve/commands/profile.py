@@ -150,10 +150,11 @@ def _refit(args: argparse.Namespace) -> int:
         print(f"{size} thread(s): {len(profile.samples[size])} steps refitted ({split})")
     if profile.serving is not None:
         s = profile.serving
-        part = s.part_decode_step_factor
+        part, part_prompt = s.part_decode_step_factor, s.part_prefill_step_factor
         print(f"served-step factors x{s.decode_step_factor:.2f} (decode), "
               f"{s.prefill_step_overhead_s * 1e3:.1f} ms + x{s.prefill_step_factor:.2f} (prompt)"
-              + (f", x{part:.2f} (decode on {s.part_cpus} CPU(s))" if part else ""))  # fmt: skip
+              + (f", x{part:.2f} (decode on {s.part_cpus} CPU(s))" if part else "")
+              + (f", x{part_prompt:.2f} (prompt on part)" if part_prompt else ""))  # fmt: skip
     profile.save(args.output)
     print(f"wrote {args.output}")
     return 0

@@ -29,7 +29,10 @@ run beside it instead of on its cores: with more than one CPU, a second server s
 prefill worker and a decode worker on half the CPUs each serves a few requests one at a time,
 each run again in-process on the decode worker's CPUs, and that decode factor is kept apart
 (`ServingCosts.part_decode_step_factor`; x0.96-1.00 on a 2-core Zen 4 where the worker on both
-CPUs took x1.11).
+CPUs took x1.11). The same requests give the split's prefill worker its factor: its prompt steps
+by its own clock (the server's step-time histogram, where only that worker runs prompt steps)
+over the in-process prompt steps on as many CPUs (`ServingCosts.part_prefill_step_factor`); the
+first token's fixed cost and its way out stay in the terms measured on the whole machine.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from pathlib import Path
 
 from pdserve.config import EngineArgs
 from pdserve.heap import frozen_heap
-from pdserve.planner.profile import ServingCosts, part_cpu_per_token
+from pdserve.planner.profile import ServingCosts, part_cpu_per_token, worker_step_factor
 from pdserve.planner.profile import step_factors as profile_step_factors
 from pdserve.planner.step_model import StepModel
 
@@ -163,6 +166,11 @@ def measure_serving_costs(
             if costs.part_decode_step_factor is not None
             else ""
         )
+        + (
+            f", a prefill worker's own prompt step x{costs.part_prefill_step_factor:.2f}"
+            if costs.part_prefill_step_factor is not None
+            else ""
+        )
     )
     return costs
 
@@ -202,10 +210,19 @@ def _measure_part(
     deployment = Deployment("calibration-split", base_url, tuple(serve))
     with ServerProcess(deployment, log_dir / "split.log"):
         asyncio.run(run_requests(prompts[:1], client, 1))  # warm up
-        served, in_process, _ = _served_and_in_process(prompts, client, core, decode)
+        served, in_process, prompt_steps = _served_and_in_process(prompts, client, core, decode)
     del core
     steps = served_steps(served, in_process)
-    out = dataclasses.replace(costs, part_cpus=len(decode), part_calibration_steps=steps)
+    # only the prefill worker runs prompt steps: its own clock against the in-process prompt
+    # step on as many CPUs (the decode worker's, which are as fast)
+    pairs = [[w, own[0]] for w, own in zip(prompt_steps, in_process) if w is not None and own]
+    out = dataclasses.replace(
+        costs,
+        part_cpus=len(decode),
+        part_calibration_steps=steps,
+        part_prompt_steps=pairs,
+        part_prefill_step_factor=worker_step_factor(pairs),
+    )
     if step_models is not None:
         cpu = part_cpu_per_token(out, costs.frontend_cpu_per_token_s + costs.client_cpu_per_token_s)
         factors = profile_step_factors(steps, step_models(len(decode)), cpu)

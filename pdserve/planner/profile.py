@@ -73,6 +73,13 @@ class ServingCosts:
     part_decode_step_factor: float | None = None
     part_cpus: int = 0
     part_calibration_steps: list = field(default_factory=list)
+    # the prefill worker of that split, on the other part of the CPUs: its prompt steps by its
+    # own clock (the server's step-time histogram) over the same prompts' steps in-process on
+    # as many CPUs, [worker seconds, in-process seconds] each, and the ratio of their medians;
+    # None where not measured (then `prefill_step_factor` stands for every worker). The prompt's
+    # fixed cost and the first token's way out stay in the terms above, as for any worker.
+    part_prefill_step_factor: float | None = None
+    part_prompt_steps: list = field(default_factory=list)
     # the time outside the engine of a request served alone (the calibration's requests sent
     # one at a time), and how many streams the loaded figure (`frontend_latency_s`) had in
     # flight; None where not measured (then `frontend_latency_s` at every load)
@@ -101,6 +108,13 @@ class ServingCosts:
         if worker_cpus < self.cpus and self.part_decode_step_factor is not None:
             return self.part_decode_step_factor
         return self.decode_step_factor
+
+    def prefill_factor(self, worker_cpus: int) -> float:
+        """The served-step factor of a step with prompt tokens on a worker of `worker_cpus`
+        CPUs."""
+        if worker_cpus < self.cpus and self.part_prefill_step_factor is not None:
+            return self.part_prefill_step_factor
+        return self.prefill_step_factor
 
 
 @dataclass(frozen=True)
@@ -318,6 +332,16 @@ def calibration_drift(profile: Profile) -> float | None:
             if own and shape.is_decode and (predicted := model.predict(shape)) > 0:
                 ratios.append(own[0] / predicted)
     return statistics.median(ratios) if ratios else None
+
+
+def worker_step_factor(pairs: list) -> float | None:
+    """The ratio of the medians of [worker seconds, in-process seconds] pairs (a served step by
+    the worker's own clock over the same step run in-process seconds later); None without a
+    pair of positive times."""
+    pairs = [(w, own) for w, own in pairs if w > 0 and own > 0]
+    if not pairs:
+        return None
+    return statistics.median(w for w, _ in pairs) / statistics.median(own for _, own in pairs)
 
 
 def part_cpu_per_token(costs: ServingCosts, cpu_per_token_s: float) -> float:

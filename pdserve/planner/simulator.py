@@ -17,7 +17,8 @@ the first token (which the client sees then), the KV arrives, the decode worker 
 
 Serving's own costs come from the profile when it measured them (`Profile.serving`): a step
 takes its measured served/in-process factor (decode-only steps and steps with prompt tokens
-each their own) times the step model's time; the CPU the frontend (and a client on the same
+each their own, and a worker on part of the CPUs its own where measured:
+`ServingCosts.decode_factor`, `prefill_factor`) times the step model's time; the CPU the frontend (and a client on the same
 machine, `local_client`) spends per output token is added to the step that emits the token,
 in the worker's share of the CPUs, when the workers occupy every CPU; every token reaches the
 client the profile's time outside the engine after its step (measured alone and under load;
@@ -480,7 +481,7 @@ class Simulation:
     def _set_factors(self, w: SimWorker) -> None:
         served = self.profile.serving
         if served is not None and self._step_time is None:
-            w.step_factors = (served.decode_factor(w.size), served.prefill_step_factor)
+            w.step_factors = (served.decode_factor(w.size), served.prefill_factor(w.size))
 
 
 def _host_cpu_per_token(profile: Profile, num_cpus: int, local_client: bool) -> float:

@@ -83,6 +83,8 @@ def test_a_measured_profile_fits_this_machine(stories_path, tmp_path):
     if len(os.sched_getaffinity(0)) >= 2:
         assert serving["part_cpus"] >= 1 and serving["part_decode_step_factor"] > 0
         assert any(len(s) == 4 for s in serving["part_calibration_steps"])  # paired in time
+        # the split's prefill worker: its own prompt steps against the same ones in-process
+        assert serving["part_prefill_step_factor"] > 0 and serving["part_prompt_steps"]
         assert any("the calibration's in-process decode steps took x" in n for n in d["notes"])
     # it keeps the steps it measured, and a refit fits them again without measuring
     assert len(d["samples"]["1"]) > 100

@@ -493,6 +493,34 @@ def test_a_decode_worker_on_part_of_the_cpus_takes_its_own_factor():
     assert Profile.from_dict(served.to_dict()) == served
 
 
+def test_a_prefill_worker_on_part_of_the_cpus_takes_its_own_factor():
+    from pdserve.planner.profile import worker_step_factor
+
+    # its prompt steps by its own clock over the same prompts in-process: 0.11/0.10 at the median
+    pairs = [[0.110, 0.100], [0.230, 0.200], [0.052, 0.050], [0.0, 0.04]]  # the last unmeasured
+    assert worker_step_factor(pairs) == pytest.approx(0.110 / 0.100)
+    assert worker_step_factor([[0.0, 0.1]]) is None
+    costs = ServingCosts(2, 0.0, 0.0, 0.0, prefill_step_factor=0.9, part_cpus=1,
+                         part_prefill_step_factor=worker_step_factor(pairs),
+                         part_prompt_steps=pairs)  # fmt: skip
+    served = dataclasses.replace(PROFILE, serving=costs)
+    plain = dataclasses.replace(PROFILE, serving=ServingCosts(2, 0.0, 0.0, 0.0))
+    split = DisaggConfig(num_prefill_workers=1, num_decode_workers=1)
+
+    def prompt_steps(profile, disagg, threads):
+        sim = Simulation(profile, EngineArgs(model="m"), disagg, max_model_len=2048,
+                         threads_per_worker=threads)  # fmt: skip
+        result = sim.run([RequestSpec(0, 0.0, 300, 4), RequestSpec(1, 5.0, 200, 4)])
+        return [s.duration_s for s in result.steps if s.scheduled[0][1] > 1]
+
+    part, base = prompt_steps(served, split, 1), prompt_steps(plain, split, 1)
+    assert len(part) == len(base) == 2
+    assert part == pytest.approx([1.1 * t for t in base])
+    whole, base = prompt_steps(served, None, 2), prompt_steps(plain, None, 2)
+    assert whole == pytest.approx([0.9 * t for t in base])
+    assert Profile.from_dict(served.to_dict()) == served
+
+
 def test_refit_recomputes_the_part_factor_from_its_own_steps():
     from pdserve.planner.profile import refit
 
@@ -507,13 +535,16 @@ def test_refit_recomputes_the_part_factor_from_its_own_steps():
                 for k in range(30)]  # fmt: skip
 
     costs = ServingCosts(2, 0.0015, 0.0005, 0.0, calibration_steps=decode(TWO, 1.1, cpu),
-                         part_cpus=1, part_calibration_steps=decode(ONE, 0.9, cpu / 2))  # fmt: skip
+                         part_cpus=1, part_calibration_steps=decode(ONE, 0.9, cpu / 2),
+                         part_prefill_step_factor=1.1)  # fmt: skip
     old = Profile("measured", "synthetic", 36864, 12, {1: ONE, 2: TWO}, serving=costs,
                   samples=samples)  # fmt: skip
     new = refit(Profile.from_dict(old.to_dict()))
     assert new.serving.decode_step_factor == pytest.approx(1.1, rel=1e-3)
     assert new.serving.part_decode_step_factor == pytest.approx(0.9, rel=1e-3)
     assert new.serving.decode_factor(1) == new.serving.part_decode_step_factor
+    # the prefill worker's factor is two measured times over each other: no model to refit to
+    assert new.serving.prefill_factor(1) == 1.1
 
 
 def test_the_prompt_line_is_not_pulled_by_one_outlier():
