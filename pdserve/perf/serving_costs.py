@@ -68,8 +68,9 @@ PROMPT_ONLY_LENS = (16, 64, 256, 512) * 2
 # after its step, on the same cores as the other's next step
 SETTLE_S = 0.5
 # requests sent one at a time through a server split in two (a prefill and a decode worker, each
-# on half the CPUs), for the decode factor of a worker on part of the CPUs
-PART_LENS = (256,) * 4
+# on half the CPUs), for the factors of a worker on part of the CPUs; the first warms it up (a
+# prompt served twice would hit the prefix cache the second time)
+PART_LENS = (256,) * 5
 
 
 def measure_serving_costs(
@@ -191,9 +192,10 @@ def _measure_part(
     step_models: Callable[[int], StepModel] | None,
     log_dir: Path,
 ) -> ServingCosts:
-    """`costs` with the decode factor of a worker on part of the CPUs: a server split into a
-    prefill worker and a decode worker on half the CPUs each serves `prompts` one at a time,
-    and each is run again in this process on the decode worker's CPUs, seconds later."""
+    """`costs` with the factors of a worker on part of the CPUs: a server split into a prefill
+    worker and a decode worker on half the CPUs each serves `prompts` one at a time (the first
+    only warms it up), and each is run again in this process on the decode worker's CPUs,
+    seconds later."""
 
     from pdserve.bench.client import ClientConfig, run_requests
     from pdserve.bench.compare import Deployment, ServerProcess
@@ -210,7 +212,7 @@ def _measure_part(
     deployment = Deployment("calibration-split", base_url, tuple(serve))
     with ServerProcess(deployment, log_dir / "split.log"):
         asyncio.run(run_requests(prompts[:1], client, 1))  # warm up
-        served, in_process, prompt_steps = _served_and_in_process(prompts, client, core, decode)
+        served, in_process, prompt_steps = _served_and_in_process(prompts[1:], client, core, decode)
     del core
     steps = served_steps(served, in_process)
     # only the prefill worker runs prompt steps: its own clock against the in-process prompt
