@@ -16,23 +16,23 @@ decode worker reserves blocks (`RemoteKV.reserve`), the prefill worker computes 
 the first token (which the client sees then), the KV arrives, the decode worker decodes on.
 
 Serving's own costs come from the profile when it measured them (`Profile.serving`): a step
-takes its measured served/in-process factor (decode-only steps and steps with prompt tokens
-each their own, and a worker on part of the CPUs its own where measured:
-`ServingCosts.decode_factor`, `prefill_factor`) times the step model's time; the CPU the frontend (and a client on the same
-machine, `local_client`) spends per output token is added to the step that emits the token,
-in the worker's share of the CPUs, when the workers occupy every CPU; every token reaches the
-client the profile's time outside the engine after its step (measured alone and under load;
-`ServingCosts.latency` by the requests in flight), and a request reaches its worker the
-profile's `first_token_extra_s` after the client sent it. A worker's first step after an idle
-stretch takes the profile's wake cost on top (`Profile.wake`). With `step_noise`, each step's
-time is also multiplied by a ratio drawn (seeded) from how the profile's own measured steps of
-its kind lay from their fitted model (`StepNoise`): a machine's steps scatter, and a percentile
-resting on a few short steps follows the scatter. With `speed_trace`, where the profile holds a
-speed trace (`planner.speed`), decode-bound steps take the fitted time times the trace's ratio
-along a seeded path through it: a shared machine's memory bandwidth moves in stretches. What is not
-modelled: message latencies between processes, KV transfer fallbacks and failures,
-preemption's recompute being cheaper than a first prefill (the prefix cache is modelled, so
-recompute hits cached blocks as it does for real).
+takes its measured served/in-process factor (decode-only steps and steps with prompt tokens each
+their own, and a worker on part of the CPUs its own where measured:
+`ServingCosts.decode_factor`, `prefill_factor`) times the step model's time; the CPU the
+frontend (and a client on the same machine, `local_client`) spends per output token is added to
+the step that emits the token, in the worker's share of the CPUs, when the workers occupy every
+CPU; every token reaches the client the profile's time outside the engine after its step
+(measured alone and under load; `ServingCosts.latency` by the requests in flight), and a request
+reaches its worker the profile's `first_token_extra_s` after the client sent it. A worker's
+first step after an idle stretch takes the profile's wake cost on top (`Profile.wake`). With
+`step_noise`, each step's time is also multiplied by a ratio drawn (seeded) from how the
+profile's own measured steps of its kind lay from their fitted model (`StepNoise`): a machine's
+steps scatter, and a percentile resting on a few short steps follows the scatter. With
+`speed_trace`, where the profile holds a speed trace (`planner.speed`), decode-bound steps take
+the fitted time times the trace's ratio along a seeded path through it: a shared machine's
+memory bandwidth moves in stretches. What is not modelled: message latencies between processes,
+KV transfer fallbacks and failures, preemption's recompute being cheaper than a first prefill
+(the prefix cache is modelled, so recompute hits cached blocks as it does for real).
 
 The result is the same list of `RequestRecord`s as `pdserve bench` writes, so its summary and
 `pdserve bench compare` read a simulated run like a measured one.
