@@ -464,19 +464,26 @@ def test_the_first_tokens_extra_time_comes_from_requests_that_go_on_decoding():
     assert _first_token_extra(records[3:], steps[3:], costs) is None  # nothing to go on
 
 
+SPLIT = DisaggConfig(num_prefill_workers=1, num_decode_workers=1)
+PLAIN = dataclasses.replace(PROFILE, serving=ServingCosts(2, 0.0, 0.0, 0.0))
+
+
+def _step_times(profile, disagg, threads, specs, keep) -> list[float]:
+    """The simulated durations of the steps of `specs` whose first scheduled item
+    (request id, new tokens) `keep` accepts."""
+    sim = Simulation(profile, EngineArgs(model="m"), disagg, max_model_len=2048,
+                     threads_per_worker=threads)  # fmt: skip
+    return [s.duration_s for s in sim.run(specs).steps if keep(s.scheduled[0])]
+
+
 def test_a_decode_worker_on_part_of_the_cpus_takes_its_own_factor():
     costs = ServingCosts(2, 0.0, 0.0, 0.0, decode_step_factor=1.2, prefill_step_factor=1.0,
                          part_decode_step_factor=0.95, part_cpus=1)  # fmt: skip
-    served = dataclasses.replace(PROFILE, serving=costs)
-    plain = dataclasses.replace(PROFILE, serving=ServingCosts(2, 0.0, 0.0, 0.0))
-    split = DisaggConfig(num_prefill_workers=1, num_decode_workers=1)
+    served, plain, split = dataclasses.replace(PROFILE, serving=costs), PLAIN, SPLIT
 
-    def decode_steps(profile, disagg, threads):
-        sim = Simulation(profile, EngineArgs(model="m"), disagg, max_model_len=2048,
-                         threads_per_worker=threads)  # fmt: skip
-        result = sim.run([RequestSpec(0, 0.0, 64, 20)])
-        return [s.duration_s for s in result.steps if len(s.scheduled) == 1
-                and s.scheduled[0][1] == 1]  # fmt: skip
+    def decode_steps(profile, disagg, threads):  # one request: each step holds it alone
+        return _step_times(profile, disagg, threads, [RequestSpec(0, 0.0, 64, 20)],
+                           lambda item: item[1] == 1)  # fmt: skip
 
     # 1P+1D, one CPU each: the decode worker's steps take the part factor
     part, base = decode_steps(served, split, 1), decode_steps(plain, split, 1)
@@ -503,15 +510,11 @@ def test_a_prefill_worker_on_part_of_the_cpus_takes_its_own_factor():
     costs = ServingCosts(2, 0.0, 0.0, 0.0, prefill_step_factor=0.9, part_cpus=1,
                          part_prefill_step_factor=worker_step_factor(pairs),
                          part_prompt_steps=pairs)  # fmt: skip
-    served = dataclasses.replace(PROFILE, serving=costs)
-    plain = dataclasses.replace(PROFILE, serving=ServingCosts(2, 0.0, 0.0, 0.0))
-    split = DisaggConfig(num_prefill_workers=1, num_decode_workers=1)
+    served, plain, split = dataclasses.replace(PROFILE, serving=costs), PLAIN, SPLIT
 
-    def prompt_steps(profile, disagg, threads):
-        sim = Simulation(profile, EngineArgs(model="m"), disagg, max_model_len=2048,
-                         threads_per_worker=threads)  # fmt: skip
-        result = sim.run([RequestSpec(0, 0.0, 300, 4), RequestSpec(1, 5.0, 200, 4)])
-        return [s.duration_s for s in result.steps if s.scheduled[0][1] > 1]
+    def prompt_steps(profile, disagg, threads):  # two prompts 5 s apart: a step each
+        specs = [RequestSpec(0, 0.0, 300, 4), RequestSpec(1, 5.0, 200, 4)]
+        return _step_times(profile, disagg, threads, specs, lambda item: item[1] > 1)
 
     part, base = prompt_steps(served, split, 1), prompt_steps(plain, split, 1)
     assert len(part) == len(base) == 2
