@@ -14,6 +14,9 @@ import httpx
 import pytest
 from server_harness import start_server
 
+# A server of its own (seconds to start): the slow suite; the default run keeps the engine side.
+pytestmark = pytest.mark.slow
+
 CMPL = "/v1/completions"
 PROMPT = "Once upon a time, there was a little girl named Lily. She"
 

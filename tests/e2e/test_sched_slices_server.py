@@ -42,6 +42,7 @@ def sliced(stories_path):
     s.stop()
 
 
+@pytest.mark.slow  # a server of its own (seconds to start): the default run stays short
 def test_message_threads_short_compute_threads_default(sliced):
     if sched_slice.get_slice(sliced.proc.pid) != SHORT:
         pytest.skip("this kernel grants no per-thread slices (Linux 6.12 or later has them)")
